@@ -1,0 +1,148 @@
+"""`pipeline`: the command-line entry point. Thin by design: each command declares its options
+and hands them to one function in `stages/`; user errors (PipelineError) are rendered here, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pipeline.errors import PipelineError
+
+# Nothing in this tool downloads at run time: targets, tokenizers and data are local paths.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+app = typer.Typer(
+    name="pipeline",
+    help="Train DFlash speculative-decoding drafters offline: extract a hidden-state cache once, "
+         "verify it, train from it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False) -> None:
+    _state["debug"] = debug
+
+
+def _user_errors(fn):
+    """Render a PipelineError as one line on stderr and exit 1 (tracebacks only with --debug)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PipelineError as e:
+            if _state["debug"]:
+                raise
+            from pipeline.ui import error
+            error(str(e))
+            raise typer.Exit(1) from None
+    return wrapper
+
+
+def _not_landed(command: str, issue: int, what: str) -> None:
+    from pipeline.ui import error
+    error(f"`pipeline {command}` is not implemented yet ({what}; tracked in issue {issue}). Nothing was done.")
+    raise typer.Exit(2)
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
+
+
+@app.command()
+def extract(
+    shards: Annotated[Optional[str], typer.Option(help="Shards this invocation writes, e.g. '0-63' or '3,5,8-11' (default: all).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML config (target, data, cache, capture settings); options below override it.")] = None,
+    target: Annotated[Optional[Path], typer.Option(help="Target model directory (default: the embedded tiny target).")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows.")] = None,
+    cache: Annotated[Optional[Path], typer.Option(help="Cache directory to create or resume.")] = None,
+    num_shards: Annotated[Optional[int], typer.Option(help="Fixed shard count of the cache (default 64).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Comma-separated 0-based decoder-layer taps (default: the target preset's).")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Target top-k ids/logits stored per token (default 32).")] = None,
+    hidden_format: Annotated[Optional[str], typer.Option(help="'bf16' (lossless bit pattern) or 'fp8' (e4m3 + per-token scale).")] = None,
+    max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; longer ones follow --overlong.")] = None,
+    overlong: Annotated[Optional[str], typer.Option(help="'truncate' or 'skip' over-long samples.")] = None,
+    on_error: Annotated[Optional[str], typer.Option(help="'fail' (default) or 'skip' malformed rows (counted in the manifest).")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the target once and write the sharded, checksummed hidden-state cache."""
+    _not_landed("extract", 3, "stage one: the hidden-state cache writer")
+
+
+@app.command()
+def train(
+    cache: Annotated[Optional[Path], typer.Option(help="Cache directory written by `pipeline extract`.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML training config; options below override it.")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="Recipe preset from manifests/presets (e.g. 'tiny', 'qwen3.6-27b').")] = None,
+    target: Annotated[Optional[Path], typer.Option(help="Target directory for the frozen embedding and lm_head (default: from the cache manifest).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory: checkpoints, train_log.jsonl, exported drafter.")] = None,
+    resume: Annotated[bool, typer.Option(help="Resume from the last complete checkpoint in --out.")] = True,
+    log_every: Annotated[Optional[int], typer.Option(help="Steps between train_log.jsonl lines.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train a DFlash drafter from a cache alone."""
+    _not_landed("train", 5, "stage two: the DFlash drafter trainer")
+
+
+@app.command("verify-cache")
+def verify_cache(
+    cache: Annotated[Path, typer.Argument(help="Cache directory to verify.")],
+    shards: Annotated[Optional[str], typer.Option(help="Only these shards, e.g. '0-7'.")] = None,
+    target: Annotated[Optional[Path], typer.Option(help="Target directory to recompute samples with.")] = None,
+    recompute: Annotated[int, typer.Option(help="Samples to re-run through --target and compare tap by tap.")] = 0,
+    sample_rate: Annotated[float, typer.Option(help="Fraction of chunks whose checksums are verified.")] = 1.0,
+    show: Annotated[Optional[str], typer.Option(help="Print this sample decoded, supervised spans highlighted.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Prove a cache is complete, intact, aligned and correctly masked."""
+    _not_landed("verify-cache", 4, "cache verification")
+
+
+@app.command()
+@_user_errors
+def demo(json_out: JsonOpt = False) -> None:
+    """Run on the embedded default. For now: load the embedded tiny target and summarise it."""
+    from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
+    from stages.summary import target_summary
+
+    _show_summary(target_summary(TARGET_DIR, heldout=HELDOUT_DATA, build_report=BUILD_REPORT), json_out)
+
+
+@app.command("target-info")
+@_user_errors
+def target_info(
+    path: Annotated[Optional[Path], typer.Argument(help="Target model directory (default: the embedded tiny target).")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="JSONL conversations the target generated, for a self-agreement check.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Summarise a target model directory: class, layers, taps, tokenizer, chat template."""
+    from pipeline.embedded import HELDOUT_DATA, TARGET_DIR
+    from stages.summary import target_summary
+
+    if path is None:
+        path, data = TARGET_DIR, data or HELDOUT_DATA
+    _show_summary(target_summary(path, heldout=data), json_out)
+
+
+def _show_summary(summary: dict, json_out: bool) -> None:
+    from pipeline.ui import console, key_value_table, print_json
+
+    if json_out:
+        print_json(summary)
+        return
+    rows = [(k, v) for k, v in summary.items() if not isinstance(v, dict)]
+    rows += [(f"{k}.{kk}", vv) for k, v in summary.items() if isinstance(v, dict) for kk, vv in v.items()]
+    console.print(key_value_table("target", rows))
+
+
+if __name__ == "__main__":
+    app()

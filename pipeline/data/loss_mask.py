@@ -1,0 +1,50 @@
+"""Loss mask from the target's own chat template (DESIGN 3.5).
+
+Supervised: the assistant's content tokens and the end-of-turn token that closes them.
+Not supervised: system and user turns, the assistant header, the newline after the
+end-of-turn token, padding.
+
+The spans are found by rendering prefixes with the template itself, so the rule follows
+whatever the template emits: the assistant turn's text is what rendering messages[:i+1]
+adds after rendering messages[:i] with the generation prompt (the header).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]
+    text: str
+
+
+def supervised_char_spans(tokenizer, messages: list[dict], end_of_turn: str, **template_kwargs) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages` and return (text, [(start, end) character spans to supervise])."""
+    def render(msgs, gen):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **template_kwargs)
+
+    text = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        with_header = render(messages[:i], True)
+        with_turn = render(messages[: i + 1], False)
+        if not (with_turn.startswith(with_header) and text.startswith(with_turn)):
+            raise ValueError(f"chat template is not prefix-stable at message {i}; cannot derive the loss mask")
+        turn = with_turn[len(with_header):]
+        close = turn.rfind(end_of_turn)
+        if close < 0:
+            raise ValueError(f"assistant message {i} is not closed by {end_of_turn!r} in the rendered template")
+        spans.append((len(with_header), len(with_header) + close + len(end_of_turn)))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: str, **template_kwargs) -> Tokenized:
+    text, spans = supervised_char_spans(tokenizer, messages, end_of_turn, **template_kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= a and b <= e for s, e in spans)) for a, b in enc["offset_mapping"]]
+    return Tokenized(input_ids=list(enc["input_ids"]), loss_mask=mask, text=text)

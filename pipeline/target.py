@@ -1,0 +1,67 @@
+"""What a target model directory is: facts read from its config.json, never hard-coded (DESIGN 7).
+
+Handles both the multimodal checkpoint layout (`model_type: qwen3_5`, text facts under
+`text_config`) and a text-only one (`qwen3_5_text`). Reading facts costs one small JSON read;
+loading weights is separate and explicit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetFacts:
+    path: Path
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_types: list[str]
+    num_attention_heads: int
+    num_key_value_heads: int
+    config_sha256: str
+
+    @property
+    def num_linear_attention(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    @property
+    def num_full_attention(self) -> int:
+        return self.layer_types.count("full_attention")
+
+
+def read_target_facts(path: str | Path) -> TargetFacts:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise PipelineError(f"{path}: not a target model directory (no config.json)")
+    raw = config_file.read_bytes()
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{config_file}: invalid JSON ({e})") from None
+    text = config.get("text_config") or config
+    try:
+        num_layers = int(text["num_hidden_layers"])
+        facts = TargetFacts(
+            path=path,
+            model_type=str(config.get("model_type", "")),
+            num_hidden_layers=num_layers,
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            layer_types=list(text.get("layer_types") or ["full_attention"] * num_layers),
+            num_attention_heads=int(text["num_attention_heads"]),
+            num_key_value_heads=int(text.get("num_key_value_heads", text["num_attention_heads"])),
+            config_sha256=hashlib.sha256(raw).hexdigest(),
+        )
+    except KeyError as e:
+        raise PipelineError(f"{config_file}: missing field {e.args[0]!r}") from None
+    if len(facts.layer_types) != num_layers:
+        raise PipelineError(f"{config_file}: layer_types has {len(facts.layer_types)} entries for {num_layers} layers")
+    return facts

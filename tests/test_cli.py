@@ -1,0 +1,82 @@
+"""The `pipeline` command line: commands, options, honest refusals, clear errors."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args), env={"COLUMNS": "160", "NO_COLOR": "1"})
+
+
+def test_help_lists_the_stages():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("extract", "train", "verify-cache", "demo", "target-info"):
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command, options", [
+    ("extract", ["--shards", "--config", "--target", "--data", "--cache", "--num-shards", "--top-k", "--tp"]),
+    ("train", ["--cache", "--config", "--preset", "--target", "--out"]),
+    ("verify-cache", ["--shards", "--target", "--recompute", "--sample-rate", "--show", "--json"]),
+])
+def test_stage_options_are_documented(command, options):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    for option in options:
+        assert option in result.output, f"{command} --help lacks {option}"
+
+
+@pytest.mark.parametrize("args", [["extract", "--shards", "0-63"], ["train", "--cache", "x"], ["verify-cache", "x"]])
+def test_unlanded_stages_refuse_with_exit_2(args):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert "not implemented yet" in result.output
+    assert "issue" in result.output
+
+
+def test_demo_summarises_the_embedded_target():
+    result = invoke("demo", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["class"] == "Qwen3_5ForCausalLM"
+    assert summary["num_hidden_layers"] == 8
+    assert summary["default_taps_3"] == [1, 3, 5]
+    assert summary["mask_token_id"] is not None
+    assert summary["build"]["heldout_accuracy"] >= 0.9
+    assert summary["self_agreement"]["agreement"] >= 0.98
+
+
+def test_demo_human_output_is_a_table():
+    result = invoke("demo")
+    assert result.exit_code == 0, result.output
+    assert "Qwen3_5ForCausalLM" in result.output and "self_agreement.agreement" in result.output
+
+
+def test_target_info_on_a_bad_directory_is_one_clear_line(tmp_path):
+    result = invoke("target-info", str(tmp_path))
+    assert result.exit_code == 1
+    assert f"{tmp_path}: not a target model directory (no config.json)" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_target_info_names_a_missing_config_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "num_hidden_layers": 4}))
+    result = invoke("target-info", str(tmp_path))
+    assert result.exit_code == 1
+    assert "missing field 'hidden_size'" in result.output
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("pipeline")
+    assert exe, "the `pipeline` console script is not on PATH (pip install the package)"
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "verify-cache" in result.stdout

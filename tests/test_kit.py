@@ -1,0 +1,46 @@
+"""The tiny target kit is reproducible from its seed, and what ships is what was built."""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from pipeline.toy import build
+
+
+@pytest.fixture(scope="module")
+def report(embedded):
+    return json.loads(embedded.BUILD_REPORT.read_text())
+
+
+def test_shipped_files_match_the_build_report(embedded, report):
+    assert report["files"], "build report lists no files"
+    for name, meta in report["files"].items():
+        data = (embedded.EMBEDDED_DIR / name).read_bytes()
+        assert len(data) == meta["bytes"], name
+        assert hashlib.sha256(data).hexdigest() == meta["sha256"], name
+
+
+def test_rebuilt_tokenizer_is_identical(embedded, report, tmp_path):
+    tokenizer = build.build_tokenizer(report["seed"])
+    tokenizer.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_bytes() == (embedded.TARGET_DIR / name).read_bytes(), name
+
+
+def test_regenerated_dataset_is_identical(embedded, report, target, tokenizer, train_rows, heldout_rows):
+    """Same seed, same (shipped) target: the dataset prompts and the target's greedy answers
+    come out exactly as shipped."""
+    dataset, stats = build.build_dataset(target, tokenizer, seed=report["seed"])
+    assert dataset["train"] == train_rows
+    assert dataset["heldout"] == heldout_rows
+    assert stats == report["dataset_stats"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DFLASH_SLOW") != "1", reason="rebuilds the whole kit (about 5 minutes); DFLASH_SLOW=1")
+def test_full_rebuild_is_identical(embedded, report, tmp_path):
+    fresh = build.build(tmp_path, seed=report["seed"], num_steps=report["train"]["num_steps"], log=lambda *_: None)
+    for name, meta in report["files"].items():
+        assert fresh["files"][name]["sha256"] == meta["sha256"], name
