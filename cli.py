@@ -139,9 +139,13 @@ def _show_summary(summary: dict, json_out: bool) -> None:
     if json_out:
         print_json(summary)
         return
-    rows = [(k, v) for k, v in summary.items() if not isinstance(v, dict)]
-    rows += [(f"{k}.{kk}", vv) for k, v in summary.items() if isinstance(v, dict) for kk, vv in v.items()]
-    console.print(key_value_table("target", rows))
+    def fmt(value):
+        return f"{value:.4g}" if isinstance(value, float) else value
+
+    console.print(key_value_table("target", [(k, fmt(v)) for k, v in summary.items() if not isinstance(v, dict)]))
+    for section, values in summary.items():
+        if isinstance(values, dict):
+            console.print(key_value_table(section, [(k, fmt(v)) for k, v in values.items()]))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def load_target(path: Path):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the "falling back to torch" notice is recorded, not printed
+    hf_logging.disable_progress_bar()
     if not (path / "config.json").is_file():
         raise PipelineError(f"{path}: not a target model directory (no config.json)")
     try:
@@ -70,6 +71,18 @@ def self_agreement(model, tokenizer, conversations: list[list[dict]], end_of_tur
             "forward_tokens_per_s": num_tokens / seconds}
 
 
+def layer_pattern(layer_types: list[str]) -> str:
+    """['linear_attention'] * 3 + ['full_attention'] -> 'linear x3, full'."""
+    runs: list[list] = []
+    for kind in layer_types:
+        short = kind.removesuffix("_attention")
+        if runs and runs[-1][0] == short:
+            runs[-1][1] += 1
+        else:
+            runs.append([short, 1])
+    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in runs)
+
+
 def target_summary(target_dir: Path, *, heldout: Path | None = None, build_report: Path | None = None,
                    num_check: int = 16, num_taps: int = 3) -> dict:
     facts = read_target_facts(target_dir)
@@ -82,7 +95,7 @@ def target_summary(target_dir: Path, *, heldout: Path | None = None, build_repor
         "model_type": facts.model_type,
         "parameters": sum(p.numel() for p in model.parameters()),
         "num_hidden_layers": facts.num_hidden_layers,
-        "layer_types": facts.layer_types,
+        "layer_types": layer_pattern(facts.layer_types),
         "hidden_size": facts.hidden_size,
         "vocab_size": facts.vocab_size,
         "tokenizer_size": len(tokenizer),

@@ -58,7 +58,7 @@ def test_demo_summarises_the_embedded_target():
 def test_demo_human_output_is_a_table():
     result = invoke("demo")
     assert result.exit_code == 0, result.output
-    assert "Qwen3_5ForCausalLM" in result.output and "self_agreement.agreement" in result.output
+    assert "Qwen3_5ForCausalLM" in result.output and "agreement" in result.output
 
 
 def test_target_info_on_a_bad_directory_is_one_clear_line(tmp_path):
