@@ -58,12 +58,13 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 
 
 @app.command()
+@_user_errors
 def extract(
     shards: Annotated[Optional[str], typer.Option(help="Shards this invocation writes, e.g. '0-63' or '3,5,8-11' (default: all).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML config (target, data, cache, capture settings); options below override it.")] = None,
-    target: Annotated[Optional[Path], typer.Option(help="Target model directory (default: the embedded tiny target).")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows.")] = None,
-    cache: Annotated[Optional[Path], typer.Option(help="Cache directory to create or resume.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML config ([extract] table); default ./extract.toml if present, else the embedded default.")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target model directory (default: the embedded tiny target).")] = None,
+    data: Annotated[Optional[list[str]], typer.Option(help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows. Repeatable.")] = None,
+    cache: Annotated[Optional[str], typer.Option(help="Cache directory to create or resume (default ./dflash-cache).")] = None,
     num_shards: Annotated[Optional[int], typer.Option(help="Fixed shard count of the cache (default 64).")] = None,
     layers: Annotated[Optional[str], typer.Option(help="Comma-separated 0-based decoder-layer taps (default: the target preset's).")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Target top-k ids/logits stored per token (default 32).")] = None,
@@ -71,11 +72,43 @@ def extract(
     max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; longer ones follow --overlong.")] = None,
     overlong: Annotated[Optional[str], typer.Option(help="'truncate' or 'skip' over-long samples.")] = None,
     on_error: Annotated[Optional[str], typer.Option(help="'fail' (default) or 'skip' malformed rows (counted in the manifest).")] = None,
+    batch_tokens: Annotated[Optional[int], typer.Option(help="Forward batch budget in tokens, padding included.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the target once and write the sharded, checksummed hidden-state cache."""
-    _not_landed("extract", 3, "stage one: the hidden-state cache writer")
+    from pipeline.config import ExtractConfig, load_config
+    from stages.extract import run_extract
+
+    if config is None and Path("extract.toml").is_file():
+        config = Path("extract.toml")
+    overrides = {"target": target, "data": data, "cache": cache, "num_shards": num_shards, "top_k": top_k,
+                 "layers": _int_list(layers, "--layers"), "hidden_format": hidden_format, "max_length": max_length,
+                 "overlong": overlong, "on_error": on_error, "batch_tokens": batch_tokens, "tp": tp}
+    cfg = load_config(ExtractConfig, config, overrides, section="extract")
+    summary = run_extract(cfg, shards, progress=not json_out)
+    if summary["rank"] == 0:
+        _show_extract(summary, json_out)
+
+
+def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PipelineError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+
+
+def _show_extract(summary: dict, json_out: bool) -> None:
+    from pipeline.ui import console, key_value_table, print_json
+
+    if json_out:
+        print_json(summary)
+        return
+    def fmt(v):
+        return f"{v:,.2f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else v)
+    console.print(key_value_table("extract", [(k, fmt(v)) for k, v in summary.items() if k != "layout"]))
 
 
 @app.command()

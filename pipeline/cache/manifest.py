@@ -1,0 +1,78 @@
+"""The cache manifest: what the cache is (config, provenance) and which shards are committed.
+
+It is the commit marker: a shard exists for readers only once its entry is here. Updates are
+read-modify-write under `manifest.lock`, then an atomic replace, so concurrent extractors on
+one node (or on nodes sharing a filesystem with working flock) never lose each other's shards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline.cache.files import FileLock, write_json_atomic
+from pipeline.cache.schema import FORMAT_NAME, MANIFEST, MANIFEST_LOCK, MAX_SHARDS, SCHEMA_VERSION, shard_index
+from pipeline.errors import PipelineError
+
+
+def read_manifest(cache_dir: Path) -> dict | None:
+    path = cache_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{path}: not valid JSON ({e})") from None
+    validate_manifest(manifest, path)
+    return manifest
+
+
+def validate_manifest(manifest, path: Path) -> None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise PipelineError(f"{path}: not a {FORMAT_NAME} manifest")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PipelineError(f"{path}: schema_version {version!r} is not supported (this tool reads {SCHEMA_VERSION})")
+    shards = manifest.get("shards")
+    if not isinstance(shards, dict) or len(shards) > MAX_SHARDS:
+        raise PipelineError(f"{path}: field 'shards' must be a mapping of at most {MAX_SHARDS} entries")
+    for name in shards:
+        try:
+            shard_index(name)  # refuses '../x', absolute paths and anything not shard-NNNNN
+        except ValueError:
+            raise PipelineError(f"{path}: invalid shard name {name!r} in 'shards'") from None
+
+
+def update_manifest(cache_dir: Path, change: Callable[[dict | None], dict]) -> dict:
+    """Apply `change` to the current manifest (None if absent) under the lock; write the result."""
+    with FileLock(cache_dir / MANIFEST_LOCK):
+        manifest = change(read_manifest(cache_dir))
+        manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_json_atomic(cache_dir / MANIFEST, manifest)
+    return manifest
+
+
+def new_manifest(*, config: dict, provenance: dict, plan: dict) -> dict:
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": config,
+        "provenance": provenance,
+        "plan": plan,
+        "shards": {},
+    }
+
+
+def config_conflicts(recorded: dict, requested: dict, prefix: str = "") -> list[str]:
+    """Fields whose values differ, as 'path: recorded -> requested'."""
+    out = []
+    for key in sorted(set(recorded) | set(requested)):
+        a, b = recorded.get(key), requested.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_conflicts(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

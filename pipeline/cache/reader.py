@@ -1,0 +1,104 @@
+"""Read a cache: the manifest, committed shards, one sample's positions without decoding the shard.
+
+Only shards listed in the manifest are visible. Per-sample arrays (offsets, sample_id) are read
+once per shard (16 bytes a sample); token arrays are read by slice, which decodes only the
+chunks that overlap it. Chunk checksums (CRC32C) are verified by Zarr on every read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from pipeline.cache.encoding import decode_bf16, decode_fp8
+from pipeline.cache.manifest import read_manifest
+from pipeline.cache.schema import check_dims, shard_index, shard_name
+from pipeline.errors import PipelineError
+
+
+class ShardReader:
+    def __init__(self, path: Path, hidden_format: str):
+        self.path = path
+        self.hidden_format = hidden_format
+        try:
+            self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
+            self.offsets = self.group["offsets"][:]
+            self.sample_ids = self.group["sample_id"][:]
+        except Exception as e:  # noqa: BLE001 - zarr raises many types; the message names the shard
+            raise PipelineError(f"{path}: cannot open shard ({type(e).__name__}: {e})") from None
+        self.row_of = {int(s): i for i, s in enumerate(self.sample_ids)}
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def span(self, sample_id: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        row = self.row_of.get(int(sample_id))
+        if row is None:
+            raise PipelineError(f"{self.path}: no sample {sample_id}")
+        lo, hi = int(self.offsets[row]), int(self.offsets[row + 1])
+        stop = hi - lo if stop is None else min(stop, hi - lo)
+        return lo + start, lo + stop
+
+    def read(self, name: str, sample_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        a, b = self.span(sample_id, start, stop)
+        try:
+            return self.group[name][a:b]
+        except Exception as e:  # noqa: BLE001
+            raise PipelineError(f"{self.path}/{name}: read of sample {sample_id} failed ({type(e).__name__}: {e})") from None
+
+    def hidden(self, sample_id: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Decoded taps [tokens, n_taps, H] (bfloat16 for bf16 caches, float32 for fp8)."""
+        bits = self.read("hidden", sample_id, start, stop)
+        if self.hidden_format == "bf16":
+            return decode_bf16(bits)
+        return decode_fp8(bits, self.read("hidden_scale", sample_id, start, stop))
+
+    def sample(self, sample_id: int) -> dict:
+        """Every array of one sample, hidden states decoded."""
+        names = ["input_ids", "loss_mask", "target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp"]
+        out = {name: self.read(name, sample_id) for name in names}
+        out["hidden"] = self.hidden(sample_id)
+        return out
+
+
+class CacheReader:
+    def __init__(self, cache_dir: str | Path):
+        self.dir = Path(cache_dir)
+        manifest = read_manifest(self.dir)
+        if manifest is None:
+            raise PipelineError(f"{self.dir}: no manifest.json (not a cache, or no shard committed yet)")
+        self.manifest = manifest
+        capture = manifest["config"]["capture"]
+        check_dims({"n_taps": len(capture["target_layer_ids"]), "hidden_size": capture["hidden_size"],
+                    "top_k": capture["top_k"], "vocab_size": capture["vocab_size"]})
+        self.hidden_format = capture["hidden_format"]
+        self.shards = sorted(manifest["shards"], key=shard_index)
+
+    def shard(self, name_or_index: str | int) -> ShardReader:
+        name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
+        if name not in self.manifest["shards"]:
+            raise PipelineError(f"{self.dir}: {name} is not a committed shard")
+        return ShardReader(self.dir / name, self.hidden_format)
+
+    def find(self, sample_id: int) -> ShardReader:
+        for name in self.shards:
+            rec = self.manifest["shards"][name]
+            if rec["sample_id_min"] <= sample_id <= rec["sample_id_max"]:
+                reader = self.shard(name)
+                if sample_id in reader.row_of:
+                    return reader
+        raise PipelineError(f"{self.dir}: sample {sample_id} is in no committed shard")
+
+    def sample_ids(self) -> list[int]:
+        ids: list[int] = []
+        for name in self.shards:
+            ids += [int(s) for s in self.shard(name).sample_ids]
+        return sorted(ids)

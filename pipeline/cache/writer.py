@@ -1,0 +1,153 @@
+"""Write one shard: incremental, chunk-aligned, committed atomically.
+
+Memory stays bounded by one chunk per array (plus per-sample offsets): rows are buffered until a
+whole chunk is ready, and each chunk is written exactly once. `commit()` writes the per-sample
+arrays and the shard record, fsyncs everything, renames `.shard-NNNNN.tmp` to `shard-NNNNN`
+and returns the record the manifest will list. Until then nothing looks complete.
+
+`BackgroundWriter` runs appends on a thread behind a bounded queue, so the forward pass never
+waits on compression or the disk unless the queue is full.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from pipeline.cache.files import fsync_dir, fsync_tree, tree_bytes, tree_digest
+from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape, shard_name, temp_shard_name
+
+
+class ShardWriter:
+    def __init__(self, cache_dir: Path, index: int, *, dims: dict[str, int], hidden_format: str,
+                 zstd_level: int = 3, attrs: dict | None = None):
+        self.cache_dir = Path(cache_dir)
+        self.index = index
+        self.tmp = self.cache_dir / temp_shard_name(index)
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)  # a crashed earlier attempt: redo, never append to it
+        self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
+        self.attrs = dict(attrs or {})
+        codecs = [ZstdCodec(level=zstd_level), Crc32cCodec()]
+        self.token_arrays, self.chunk = {}, {}
+        self.buffers: dict[str, list[np.ndarray]] = {}
+        self.buffered: dict[str, int] = {}
+        self.written: dict[str, int] = {}
+        self.specs = {s.name: s for s in array_specs(hidden_format)}
+        for spec in self.specs.values():
+            inner = inner_shape(spec, dims)
+            n = chunk_tokens(spec, dims) if spec.per == "token" else 1 << 16
+            arr = self.group.create_array(spec.name, shape=(0, *inner), chunks=(n, *inner), dtype=spec.dtype,
+                                          compressors=codecs, fill_value=0,
+                                          attributes={"per": spec.per, "logical": spec.logical})
+            if spec.per == "token":
+                self.token_arrays[spec.name], self.chunk[spec.name] = arr, n
+                self.buffers[spec.name], self.buffered[spec.name], self.written[spec.name] = [], 0, 0
+        self.offsets = [0]
+        self.sample_ids: list[int] = []
+
+    def append(self, sample_id: int, rows: dict[str, np.ndarray]) -> None:
+        """Add one sample; `rows` holds every per-token array, all with the same length."""
+        lengths = {name: len(rows[name]) for name in self.token_arrays}
+        n = lengths["input_ids"]
+        if set(lengths.values()) != {n} or n == 0:
+            raise ValueError(f"sample {sample_id}: per-token arrays disagree in length or are empty: {lengths}")
+        for name in self.token_arrays:
+            self.buffers[name].append(np.asarray(rows[name], dtype=self.specs[name].dtype))
+            self.buffered[name] += n
+            if self.buffered[name] >= self.chunk[name]:
+                self._flush(name, final=False)
+        self.offsets.append(self.offsets[-1] + n)
+        self.sample_ids.append(int(sample_id))
+
+    def _flush(self, name: str, *, final: bool) -> None:
+        data = np.concatenate(self.buffers[name]) if self.buffers[name] else None
+        if data is None:
+            return
+        chunk = self.chunk[name]
+        take = len(data) if final else (len(data) // chunk) * chunk
+        if take == 0:
+            return
+        arr, start = self.token_arrays[name], self.written[name]
+        arr.resize((start + take, *arr.shape[1:]))
+        arr[start:start + take] = data[:take]
+        self.written[name] = start + take
+        rest = data[take:]
+        self.buffers[name] = [rest] if len(rest) else []
+        self.buffered[name] = len(rest)
+
+    def commit(self) -> dict:
+        if not self.sample_ids:
+            raise ValueError(f"{shard_name(self.index)}: refusing to commit an empty shard")
+        for name in self.token_arrays:
+            self._flush(name, final=True)
+        for name, values in (("offsets", self.offsets), ("sample_id", self.sample_ids)):
+            arr = self.group[name]
+            arr.resize((len(values),))
+            arr[:] = np.asarray(values, dtype=self.specs[name].dtype)
+        record = {
+            "samples": len(self.sample_ids),
+            "tokens": self.offsets[-1],
+            "sample_id_min": min(self.sample_ids),
+            "sample_id_max": max(self.sample_ids),
+            **self.attrs,
+        }
+        self.group.attrs.update({"shard": shard_name(self.index), **record})
+        fsync_tree(self.tmp)
+        record["bytes"] = tree_bytes(self.tmp)
+        record["digest"] = "sha256:" + tree_digest(self.tmp)
+        final = self.cache_dir / shard_name(self.index)
+        if final.exists():
+            shutil.rmtree(final)  # an unlisted leftover of a run that died before the manifest update
+        os.replace(self.tmp, final)
+        fsync_dir(self.cache_dir)
+        return record
+
+
+class BackgroundWriter:
+    """Runs callables on one thread, behind a queue of at most `depth` pending items. Errors
+    surface on the next `submit` or on `close`."""
+
+    def __init__(self, depth: int = 4):
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    item()
+                except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                    self.error = e
+
+    def submit(self, fn) -> None:
+        self._raise()
+        self.queue.put(fn)
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far has run."""
+        done = threading.Event()
+        self.queue.put(done.set)
+        done.wait()
+        self._raise()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,72 @@
+"""One forward of the target over a batch, capturing what the cache stores (DESIGN 3.1, 3.2).
+
+Taps come from forward hooks on the tapped decoder layers (the output of layer i, which is what
+`hidden_states[i + 1]` would be), so the model is not asked to materialise every layer's
+states. The target's own prediction comes from its real output logits (final norm + lm_head),
+computed in token chunks so a 248k vocabulary never needs a [batch, seq, vocab] tensor.
+
+Batches are right-padded: the target is causal in every layer (attention, Gated DeltaNet,
+its short convolution), so real positions never see the padding; padding is dropped before
+anything is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Capture:
+    def __init__(self, model, target_layer_ids: list[int], *, top_k: int, logits_chunk: int = 2048, pad_id: int = 0):
+        self.model = model
+        self.taps = list(target_layer_ids)
+        self.top_k = top_k
+        self.logits_chunk = logits_chunk
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, batch: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        width = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        for row, sample in enumerate(batch):
+            ids[row, :len(sample)] = torch.tensor(sample)
+        ids = ids.to(self.device)
+
+        captured: dict[int, torch.Tensor] = {}
+        layers = self.model.model.layers
+        hooks = [layers[t].register_forward_hook(self._keep(captured, t)) for t in self.taps]
+        try:
+            last = self.model.model(input_ids=ids, use_cache=False).last_hidden_state
+        finally:
+            for h in hooks:
+                h.remove()
+        taps_BTNH = torch.stack([captured[t] for t in self.taps], dim=2)
+
+        out = []
+        for row, sample in enumerate(batch):
+            n = len(sample)
+            stats = self._prediction_stats(last[row, :n])
+            out.append({"hidden": taps_BTNH[row, :n].cpu(), **{k: v.cpu() for k, v in stats.items()}})
+        return out
+
+    @staticmethod
+    def _keep(store: dict, index: int):
+        def hook(module, args, output):
+            store[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def _prediction_stats(self, last_TH: torch.Tensor) -> dict[str, torch.Tensor]:
+        ids, logits, lse = [], [], []
+        for a in range(0, last_TH.shape[0], self.logits_chunk):
+            chunk = self.model.lm_head(last_TH[a:a + self.logits_chunk]).float()
+            top = torch.topk(chunk, self.top_k, dim=-1, sorted=True)
+            ids.append(top.indices)
+            logits.append(top.values)
+            lse.append(torch.logsumexp(chunk, dim=-1))
+        topk_ids = torch.cat(ids)
+        return {
+            "target_argmax": topk_ids[:, 0],
+            "target_topk_ids": topk_ids,
+            "target_topk_logits": torch.cat(logits),
+            "target_logsumexp": torch.cat(lse),
+        }

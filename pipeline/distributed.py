@@ -1,0 +1,74 @@
+"""Process layout under torchrun: world = dp groups x tp ranks. Single process without torchrun.
+
+Ranks r = g * tp + t: group g (data parallel) splits the shards; the tp ranks of one group run
+one tensor-parallel model together, and only the group's first rank writes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import PipelineError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    world_size: int = 1
+    rank: int = 0
+    tp: int = 1
+    tp_group: object = None
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank % self.tp == 0
+
+    @property
+    def group_ranks(self) -> list[int]:
+        first = self.dp_rank * self.tp
+        return list(range(first, first + self.tp))
+
+    def record(self) -> dict:
+        return {"world_size": self.world_size, "tp": self.tp, "dp": self.dp}
+
+    def broadcast_from_writer(self, value):
+        """The writer's value on every rank of its tensor-parallel group."""
+        if self.tp == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.group_ranks[0], group=self.tp_group)
+        return box[0]
+
+
+def init_layout(tp: int) -> Layout:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        if tp != 1:
+            raise PipelineError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp}")
+        return Layout()
+    if world_size % tp:
+        raise PipelineError(f"world size {world_size} is not a multiple of --tp {tp}")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    rank = dist.get_rank()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    tp_group = None
+    if tp > 1:
+        for g in range(world_size // tp):
+            group = dist.new_group(list(range(g * tp, (g + 1) * tp)))
+            if rank // tp == g:
+                tp_group = group
+    return Layout(world_size=world_size, rank=rank, tp=tp, tp_group=tp_group)

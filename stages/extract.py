@@ -1,0 +1,354 @@
+"""Stage one, `pipeline extract`: run the target once and write the hidden-state cache.
+
+Per selected shard: take its lock (skip it if another process holds it), skip it if the
+manifest already lists it, else read and tokenize its rows, run the target over length-sorted
+batches, hand the results to a background writer (compression + disk off the forward path),
+commit the shard atomically, then list it in the manifest. Cost: one target forward per token,
+plus the logits top-k/logsumexp in token chunks.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.cache.encoding import encode_bf16, encode_fp8
+from pipeline.cache.files import FileLock
+from pipeline.cache.manifest import config_conflicts, new_manifest, read_manifest, update_manifest
+from pipeline.cache.schema import SCHEMA_VERSION, shard_lock_name, shard_name
+from pipeline.cache.writer import BackgroundWriter, ShardWriter
+from pipeline.capture import Capture
+from pipeline.config import EMBEDDED, ExtractConfig
+from pipeline.data.conversations import iter_rows
+from pipeline.data.loss_mask import tokenize_conversation
+from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
+from pipeline.distributed import Layout, init_layout
+from pipeline.errors import PipelineError
+from pipeline.provenance import (KernelCallCounter, environment, kernel_record, sha256_file, tokenizer_digest,
+                                 weight_digests)
+from pipeline.taps import TAP_CONVENTION, default_taps, validate_taps
+from pipeline.target import read_target_facts
+
+
+def resolve_target(target: str) -> Path:
+    if target == EMBEDDED:
+        from pipeline.embedded import TARGET_DIR
+        return TARGET_DIR
+    return Path(target)
+
+
+def resolve_data(data: list[str]) -> list[Path]:
+    from pipeline.embedded import HELDOUT_DATA, TRAIN_DATA
+    named = {"embedded:train": TRAIN_DATA, "embedded:heldout": HELDOUT_DATA}
+    out = []
+    for d in data:
+        if d.startswith("embedded:") and d not in named:
+            raise PipelineError(f"data: unknown embedded dataset {d!r}; use one of {sorted(named)}")
+        out.append(named.get(d, Path(d)))
+    return out
+
+
+def default_layers(target: str, num_layers: int) -> list[int]:
+    if target == EMBEDDED:
+        from manifests import load_preset
+        return list(load_preset("tiny")["target"]["target_layer_ids"])
+    return default_taps(num_layers, 5)
+
+
+def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device, layout: Layout):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    weights = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
+    if not weights:
+        raise PipelineError(f"{target_dir}: no weight files (*.safetensors) in the target directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"{target_dir}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+    kwargs = {"dtype": dtype, "local_files_only": True}
+    if layout.tp > 1:
+        from pipeline.tensor_parallel import tp_load_kwargs
+        kwargs.update(tp_load_kwargs(layout))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
+    except OSError as e:
+        raise PipelineError(f"{target_dir}: cannot load the target ({str(e).splitlines()[0]})") from None
+    if layout.tp == 1:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def scan_dataset(paths: list[Path], on_error: str) -> dict:
+    """One pass over the dataset: row count, malformed rows (fail fast before any GPU work) and
+    file digests, so the shard plan and the manifest's data identity are known up front."""
+    num_rows = malformed = 0
+    for item in iter_rows(paths, on_error=on_error):
+        num_rows += 1
+        malformed += isinstance(item, PipelineError)
+    if num_rows == 0:
+        raise PipelineError(f"{', '.join(map(str, paths))}: the dataset has no rows")
+    files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]
+    return {"num_rows": num_rows, "malformed_rows": malformed, "files": files}
+
+
+def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, taps: list[int], dataset: dict,
+                    compute_dtype: str) -> dict:
+    """Everything that decides the cache's content; a later invocation must match it exactly."""
+    import hashlib
+    template = tokenizer.chat_template or ""
+    thinking = cfg.chat_template_kwargs.get("enable_thinking")
+    return {
+        "num_shards": cfg.num_shards,
+        "target": {"model_type": facts.model_type, "config_sha256": facts.config_sha256,
+                   "num_hidden_layers": facts.num_hidden_layers, "weights": weight_digests(target_dir)},
+        "tokenizer": {"files_sha256": tokenizer_digest(target_dir),
+                      "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+                      "chat_template_kwargs": cfg.chat_template_kwargs,
+                      "thinking": "template default" if thinking is None else ("on" if thinking else "off"),
+                      "end_of_turn": cfg.end_of_turn},
+        "data": {"num_rows": dataset["num_rows"], "files": dataset["files"]},
+        "capture": {"target_layer_ids": taps, "tap_convention": TAP_CONVENTION,
+                    "num_hidden_layers": facts.num_hidden_layers, "hidden_size": facts.hidden_size,
+                    "vocab_size": facts.vocab_size, "top_k": cfg.top_k, "hidden_format": cfg.hidden_format,
+                    "stored_dtype": {"bf16": "bfloat16 bit pattern (uint16)", "fp8": "float8_e4m3fn (uint8) x float32 scale per token and tap"}[cfg.hidden_format],
+                    "compute_dtype": compute_dtype, "max_length": cfg.max_length, "overlong": cfg.overlong,
+                    "on_error": cfg.on_error, "zstd_level": cfg.zstd_level, "checksum": "crc32c per chunk"},
+    }
+
+
+def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenizer, vocab_size: int) -> tuple[list, dict]:
+    """(samples [(sample_id, input_ids, loss_mask)], counts) for one shard's rows."""
+    counts = {"rows": len(rows), "malformed": 0, "no_supervised_tokens": 0, "overlong_skipped": 0, "truncated": 0}
+    samples = []
+    for item in iter_rows(paths, on_error=cfg.on_error, wanted=rows):
+        if isinstance(item, PipelineError):
+            counts["malformed"] += 1
+            continue
+        if item.messages is not None:
+            try:
+                tok = tokenize_conversation(tokenizer, item.messages, cfg.end_of_turn, **cfg.chat_template_kwargs)
+            except Exception as e:  # noqa: BLE001 - template errors come in many types
+                message = f"{item.where}: cannot apply the chat template ({str(e).splitlines()[0]})"
+                if cfg.on_error != "skip":
+                    raise PipelineError(message) from None
+                counts["malformed"] += 1
+                continue
+            ids, mask = tok.input_ids, tok.loss_mask
+        else:
+            ids, mask = item.input_ids, item.loss_mask
+            if max(ids, default=0) >= vocab_size:
+                message = f"{item.where}: field 'input_ids' has id {max(ids)} >= vocab_size {vocab_size}"
+                if cfg.on_error != "skip":
+                    raise PipelineError(message)
+                counts["malformed"] += 1
+                continue
+        if len(ids) > cfg.max_length:
+            if cfg.overlong == "skip":
+                counts["overlong_skipped"] += 1
+                continue
+            ids, mask = ids[:cfg.max_length], mask[:cfg.max_length]
+            counts["truncated"] += 1
+        if not any(mask):
+            counts["no_supervised_tokens"] += 1
+            continue
+        samples.append((item.sample_id, ids, mask))
+    return samples, counts
+
+
+def length_batches(samples: list, batch_tokens: int) -> list[list]:
+    """Length-sorted batches whose padded size (count x longest) fits the token budget."""
+    ordered = sorted(samples, key=lambda s: (len(s[1]), s[0]))
+    batches, current = [], []
+    for s in ordered:
+        if current and (len(current) + 1) * len(s[1]) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(s)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def encode_rows(cfg: ExtractConfig, ids: list[int], mask: list[int], out: dict) -> dict[str, np.ndarray]:
+    rows = {
+        "input_ids": np.asarray(ids, dtype=np.int32),
+        "loss_mask": np.asarray(mask, dtype=np.uint8),
+        "target_argmax": out["target_argmax"].numpy().astype(np.int32),
+        "target_topk_ids": out["target_topk_ids"].numpy().astype(np.int32),
+        "target_topk_logits": out["target_topk_logits"].numpy().astype(np.float32),
+        "target_logsumexp": out["target_logsumexp"].numpy().astype(np.float32),
+    }
+    if cfg.hidden_format == "bf16":
+        rows["hidden"] = encode_bf16(out["hidden"])
+    else:
+        rows["hidden"], rows["hidden_scale"] = encode_fp8(out["hidden"])
+    return rows
+
+
+def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool = True, log=None) -> dict:
+    start = time.perf_counter()
+    layout = init_layout(cfg.tp)
+    target_dir = resolve_target(cfg.target)
+    facts = read_target_facts(target_dir)
+    taps = list(cfg.layers) if cfg.layers is not None else default_layers(cfg.target, facts.num_hidden_layers)
+    validate_taps(taps, facts.num_hidden_layers)
+    if cfg.top_k > facts.vocab_size:
+        raise PipelineError(f"top_k {cfg.top_k} exceeds the target's vocab_size {facts.vocab_size}")
+    selected = parse_shards(shards_spec, cfg.num_shards)
+    paths = resolve_data(cfg.data)
+    dataset = scan_dataset(paths, cfg.on_error)
+
+    use_cuda = torch.cuda.is_available()
+    compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bfloat16" if use_cuda else "float32")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    model, tokenizer = load_target_model(target_dir, getattr(torch, compute), device, layout)
+    identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, target_dir=target_dir, taps=taps,
+                               dataset=dataset, compute_dtype=compute)
+    cache_dir = Path(cfg.cache)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    plan = {"assignment": "contiguous: shard s holds rows [s*N//S, (s+1)*N//S)", "num_rows": dataset["num_rows"],
+            "num_shards": cfg.num_shards}
+
+    def init(manifest):
+        if manifest is None:
+            m = new_manifest(config=identity, provenance=environment(), plan=plan)
+            m["sources"] = {"target": str(target_dir), "data": [str(p) for p in paths]}
+            m["resolved_config"] = asdict(cfg)
+            return m
+        conflicts = config_conflicts(manifest["config"], identity)
+        if conflicts:
+            shown = "; ".join(conflicts[:4]) + (f"; and {len(conflicts) - 4} more" if len(conflicts) > 4 else "")
+            raise PipelineError(f"{cache_dir}: was created with a different configuration ({shown}); "
+                                "use another --cache or the original settings")
+        return manifest
+
+    if layout.is_writer:
+        update_manifest(cache_dir, init)
+    mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
+    capture = Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0)
+    totals = {"shards_written": 0, "shards_already_committed": 0, "shards_locked_elsewhere": 0,
+              "samples": 0, "tokens": 0, "stored_bytes": 0, "malformed": 0, "no_supervised_tokens": 0,
+              "overlong_skipped": 0, "truncated": 0}
+    bar = _Progress(enabled=progress and layout.rank == 0,
+                    total=sum(len(shard_rows(s, dataset["num_rows"], cfg.num_shards)) for s in mine))
+    with bar:
+        for shard in mine:
+            lock = FileLock(cache_dir / shard_lock_name(shard))
+            state = "write"
+            if layout.is_writer:
+                manifest = read_manifest(cache_dir)
+                if shard_name(shard) in manifest["shards"]:
+                    state = "committed"
+                elif not lock.acquire(blocking=False):
+                    state = "locked"
+                elif shard_name(shard) in read_manifest(cache_dir)["shards"]:
+                    state = "committed"  # another process finished it between our two looks
+                    lock.release()
+            state = layout.broadcast_from_writer(state)
+            rows = shard_rows(shard, dataset["num_rows"], cfg.num_shards)
+            if state != "write":
+                totals["shards_already_committed" if state == "committed" else "shards_locked_elsewhere"] += 1
+                bar.advance(len(rows))
+                continue
+            try:
+                record = _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout,
+                                      cache_dir, taps, bar)
+            finally:
+                lock.release()
+            if layout.is_writer and record is not None:
+                update_manifest(cache_dir, lambda m, r=record, n=shard_name(shard): {**m, "shards": {**m["shards"], n: r}})
+                totals["shards_written"] += 1
+                totals["samples"] += record["samples"]
+                totals["tokens"] += record["tokens"]
+                totals["stored_bytes"] += record["bytes"]
+                for key in ("malformed", "no_supervised_tokens", "overlong_skipped", "truncated"):
+                    totals[key] += record["counts"][key]
+    seconds = time.perf_counter() - start
+    raw_hidden = len(taps) * facts.hidden_size * 2
+    tokens = max(totals["tokens"], 1)
+    return {
+        "cache": str(cache_dir),
+        "rank": layout.rank,
+        "layout": layout.record(),
+        "selected_shards": len(selected),
+        "my_shards": len(mine),
+        **totals,
+        "bytes_per_token": totals["stored_bytes"] / tokens if totals["tokens"] else None,
+        "raw_bf16_hidden_bytes_per_token": raw_hidden,
+        "compression_vs_raw_bf16_hidden": raw_hidden * tokens / totals["stored_bytes"] if totals["stored_bytes"] else None,
+        "seconds": seconds,
+        "tokens_per_s": totals["tokens"] / seconds,
+    }
+
+
+def _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout, cache_dir, taps, bar) -> dict | None:
+    samples, counts = prepare_samples(cfg, paths, rows, tokenizer, facts.vocab_size)
+    if not samples:
+        raise PipelineError(f"{shard_name(shard)}: none of its {len(rows)} rows yields a supervised sample "
+                            f"({counts}); fix the data or use fewer shards")
+    writer = background = None
+    if layout.is_writer:
+        dims = {"n_taps": len(taps), "hidden_size": facts.hidden_size, "top_k": cfg.top_k}
+        writer = ShardWriter(cache_dir, shard, dims=dims, hidden_format=cfg.hidden_format, zstd_level=cfg.zstd_level,
+                             attrs={"schema_version": SCHEMA_VERSION, "row_range": [rows.start, rows.stop]})
+        background = BackgroundWriter(depth=cfg.writer_queue)
+    counter = KernelCallCounter(model)
+    try:
+        for batch in length_batches(samples, cfg.batch_tokens):
+            with counter:
+                outs = capture([s[1] for s in batch])
+            if background is not None:
+                background.submit(lambda b=batch, o=outs: [
+                    writer.append(sid, encode_rows(cfg, ids, mask, out)) for (sid, ids, mask), out in zip(b, o)])
+            bar.advance(len(batch), tokens=sum(len(s[1]) for s in batch))
+        bar.advance(len(rows) - len(samples))
+        if background is None:
+            return None
+        background.close()
+        background = None
+        writer.attrs.update({"counts": counts, "kernels": kernel_record(model, counter.counts),
+                             "layout": layout.record(), "host": platform.node(), "environment": environment()})
+        return writer.commit()
+    finally:
+        if background is not None:
+            try:
+                background.close()
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+
+
+class _Progress:
+    """Rich progress bar over rows (samples, tokens/s, ETA); a no-op when disabled."""
+
+    def __init__(self, *, enabled: bool, total: int):
+        self.enabled, self.total, self.tokens, self.t0 = enabled, total, 0, time.perf_counter()
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from pipeline.ui import err_console
+            self.progress = Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+                                     TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err_console,
+                                     transient=False)
+            self.task = self.progress.add_task("extract", total=total, rate="")
+
+    def __enter__(self):
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.stop()
+
+    def advance(self, rows: int, tokens: int = 0) -> None:
+        self.tokens += tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self.progress.update(self.task, advance=rows, rate=f"{rate:,.0f} tok/s")

@@ -1,0 +1,65 @@
+"""Shared helpers for extract tests: small datasets from the shipped one, running the real CLI,
+and comparing two caches' decoded content."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.cache.reader import CacheReader
+
+REPO = Path(__file__).resolve().parent.parent
+ARRAYS = ("input_ids", "loss_mask", "target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp")
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `python -m cli ...` in a subprocess, as a user would run `pipeline ...`."""
+    full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-port", str(29500 + os.getpid() % 1000), "-m", "cli", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def decoded(cache: Path) -> dict[int, dict[str, np.ndarray]]:
+    reader = CacheReader(cache)
+    out = {}
+    for name in reader.shards:
+        shard = reader.shard(name)
+        for sid in shard.sample_ids:
+            sample = {k: shard.read(k, int(sid)) for k in ARRAYS}
+            sample["hidden"] = shard.hidden(int(sid)).float().numpy()
+            out[int(sid)] = sample
+    return out
+
+
+def assert_same_content(a: Path, b: Path, *, exact: bool = True, atol: float = 0.0) -> None:
+    da, db = decoded(a), decoded(b)
+    assert sorted(da) == sorted(db), "different sample ids"
+    for sid in da:
+        for key in (*ARRAYS, "hidden"):
+            x, y = da[sid][key], db[sid][key]
+            assert x.shape == y.shape, (sid, key)
+            if exact or key in ("input_ids", "loss_mask"):
+                assert np.array_equal(x, y), (sid, key)
+            elif key in ("target_argmax", "target_topk_ids"):
+                assert (x == y).mean() > 0.99, (sid, key)
+            else:
+                np.testing.assert_allclose(x, y, atol=atol, rtol=0.02, err_msg=f"sample {sid} {key}")
