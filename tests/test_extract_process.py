@@ -1,0 +1,158 @@
+"""Stage one as users run it: the real CLI in subprocesses, torchrun (gloo), kill -9, bad input."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from extract_helpers import REPO, assert_same_content, cli, torchrun, write_rows
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, train_rows):
+    return write_rows(tmp_path_factory.mktemp("data") / "convs.jsonl", train_rows[:24])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """One uninterrupted single-process run: 4 shards, small batches."""
+    cache = tmp_path_factory.mktemp("ref") / "cache"
+    result = cli("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["shards_written"] == 4 and summary["samples"] == 24
+    return cache
+
+
+def manifest(cache):
+    return json.loads((cache / "manifest.json").read_text())
+
+
+def row_ranges(cache):
+    return {name: rec["row_range"] for name, rec in manifest(cache)["shards"].items()}
+
+
+def test_data_parallel_2_matches_one_process(tmp_path, data, reference):
+    cache = tmp_path / "dp2"
+    result = torchrun(2, "extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
+                      "--batch-tokens", "256", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_content(cache, reference)
+    assert row_ranges(cache) == row_ranges(reference)
+    assert {rec["layout"]["dp"] for rec in manifest(cache)["shards"].values()} == {2}
+
+
+def test_shard_plan_is_independent_of_process_count(tmp_path, data, reference):
+    cache = tmp_path / "dp4"
+    result = torchrun(4, "extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
+                      "--batch-tokens", "256", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert row_ranges(cache) == row_ranges(reference)
+    assert_same_content(cache, reference)
+
+
+def test_kill_mid_shard_then_resume(tmp_path, data, reference):
+    cache = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "cli", "extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
+           "--batch-tokens", "256", "--json"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    # Wait until a shard is half-written, and at least one other has been committed, then kill -9.
+    while time.time() < deadline:
+        partial = list(cache.glob(".shard-*.tmp"))
+        committed = list(cache.glob("shard-*"))
+        if partial and committed:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial, "never saw a partial shard"
+    listed = manifest(cache)["shards"] if (cache / "manifest.json").exists() else {}
+    assert all((cache / name).is_dir() for name in listed)
+    assert len(listed) < 4, "the kill landed after everything was committed"
+    result = cli("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["shards_written"] == 4 - len(listed)
+    assert not list(cache.glob(".shard-*.tmp"))
+    assert_same_content(cache, reference)
+
+
+def test_two_processes_never_write_one_shard(tmp_path, data, reference):
+    cache = tmp_path / "race"
+    cmd = [sys.executable, "-m", "cli", "extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
+           "--batch-tokens", "256", "--json"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    written = sum(json.loads(o[0])["shards_written"] for o in outs)
+    assert written == 4, "each shard written exactly once across both processes"
+    assert_same_content(cache, reference)
+
+
+BAD_ROWS = [
+    ("malformed.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "malformed.jsonl:2: malformed JSON"),
+    ("nomessages.jsonl", b'{"text": "hello"}\n', "nomessages.jsonl:1: row has none of 'messages'"),
+    ("role.jsonl", b'{"messages": [{"role": "tool", "content": "x"}]}\n', "role.jsonl:1: messages[0].role is 'tool'"),
+    ("content.jsonl", b'{"messages": [{"role": "user", "content": 5}]}\n', "content.jsonl:1: messages[0].content must be a string"),
+    ("binary.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n\xff\xfe\n', "binary.jsonl:2: not valid UTF-8"),
+    ("empty.jsonl", b"\n\n", "the dataset has no rows"),
+    ("pretok.jsonl", b'{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}\n', "pretok.jsonl:1: field 'loss_mask' must be"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", BAD_ROWS, ids=[b[0] for b in BAD_ROWS])
+def test_bad_rows_are_one_clear_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    cache = tmp_path / "cache"
+    result = cli("extract", "--cache", str(cache), "--data", str(path), "--num-shards", "1")
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (cache / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shards", "0-9"], "--shards: '0-9' is outside 0-3"),
+    (["--shards", "a-b"], "--shards: 'a-b' is not a shard index"),
+    (["--layers", "1,7"], "7 is the last decoder layer"),
+    (["--layers", "1,9"], "9 is out of range"),
+    (["--target", "/nonexistent-target"], "not a target model directory"),
+    (["--hidden-format", "fp4"], "hidden_format must be 'bf16' or 'fp8'"),
+])
+def test_bad_options_are_one_clear_line(tmp_path, data, args, message):
+    cache = tmp_path / "cache"
+    result = cli("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", *args)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (cache / "manifest.json").exists()
+
+
+def test_target_without_weights(tmp_path, data, embedded):
+    import shutil
+    target = tmp_path / "target"
+    shutil.copytree(embedded.TARGET_DIR, target)
+    (target / "model.safetensors").unlink()
+    result = cli("extract", "--cache", str(tmp_path / "cache"), "--data", str(data), "--target", str(target))
+    assert result.returncode == 1 and "no weight files" in result.stderr, result.stderr
+
+
+def test_skip_policies_are_counted(tmp_path, train_rows):
+    rows = [json.dumps(r) for r in train_rows[:6]]
+    rows.insert(2, "{not json")
+    rows.append(json.dumps({"messages": [{"role": "user", "content": "no answer here"}]}))
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    cache = tmp_path / "cache"
+    result = cli("extract", "--cache", str(cache), "--data", str(path), "--num-shards", "1", "--on-error", "skip",
+                 "--max-length", "60", "--overlong", "skip", "--json")
+    assert result.returncode == 0, result.stderr
+    counts = manifest(cache)["shards"]["shard-00000"]["counts"]
+    assert counts["rows"] == 8 and counts["malformed"] == 1 and counts["no_supervised_tokens"] == 1
+    assert counts["overlong_skipped"] >= 1
+    summary = json.loads(result.stdout)
+    assert summary["samples"] == 8 - 1 - 1 - counts["overlong_skipped"]
