@@ -60,7 +60,8 @@ def default_layers(target: str, num_layers: int) -> list[int]:
     return default_taps(num_layers, 5)
 
 
-def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device, layout: Layout):
+def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device, layout: Layout, num_kv_heads: int):
+    """(model, tokenizer, tensor-parallel plan description or None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -74,16 +75,18 @@ def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device
     except (OSError, ValueError) as e:
         raise PipelineError(f"{target_dir}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
     kwargs = {"dtype": dtype, "local_files_only": True}
+    plan = None
     if layout.tp > 1:
         from pipeline.tensor_parallel import tp_load_kwargs
-        kwargs.update(tp_load_kwargs(layout))
+        tp_kwargs, plan = tp_load_kwargs(layout, num_kv_heads)
+        kwargs.update(tp_kwargs)
     try:
         model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
     except OSError as e:
         raise PipelineError(f"{target_dir}: cannot load the target ({str(e).splitlines()[0]})") from None
     if layout.tp == 1:
         model = model.to(device)
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer, plan
 
 
 def scan_dataset(paths: list[Path], on_error: str) -> dict:
@@ -209,7 +212,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     use_cuda = torch.cuda.is_available()
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bfloat16" if use_cuda else "float32")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    model, tokenizer = load_target_model(target_dir, getattr(torch, compute), device, layout)
+    model, tokenizer, tp_plan = load_target_model(target_dir, getattr(torch, compute), device, layout,
+                                                  facts.num_key_value_heads)
     identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, target_dir=target_dir, taps=taps,
                                dataset=dataset, compute_dtype=compute)
     cache_dir = Path(cfg.cache)
@@ -260,7 +264,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
                 continue
             try:
                 record = _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout,
-                                      cache_dir, taps, bar)
+                                      cache_dir, taps, bar, tp_plan)
             finally:
                 lock.release()
             if layout.is_writer and record is not None:
@@ -289,7 +293,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     }
 
 
-def _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout, cache_dir, taps, bar) -> dict | None:
+def _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout, cache_dir, taps, bar,
+                 tp_plan) -> dict | None:
     samples, counts = prepare_samples(cfg, paths, rows, tokenizer, facts.vocab_size)
     if not samples:
         raise PipelineError(f"{shard_name(shard)}: none of its {len(rows)} rows yields a supervised sample "
@@ -315,7 +320,8 @@ def _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layo
         background.close()
         background = None
         writer.attrs.update({"counts": counts, "kernels": kernel_record(model, counter.counts),
-                             "layout": layout.record(), "host": platform.node(), "environment": environment()})
+                             "layout": {**layout.record(), "tp_plan": tp_plan}, "host": platform.node(),
+                             "environment": environment()})
         return writer.commit()
     finally:
         if background is not None:

@@ -156,3 +156,18 @@ def test_skip_policies_are_counted(tmp_path, train_rows):
     assert counts["overlong_skipped"] >= 1
     summary = json.loads(result.stdout)
     assert summary["samples"] == 8 - 1 - 1 - counts["overlong_skipped"]
+
+
+def test_tensor_parallel_2_matches_one_process(tmp_path, data, reference):
+    """TP 2 on a target with Qwen3.6-27B's head ratio scaled down (6 q : 1 kv): the KV heads do
+    not divide by the TP size, so attention is replicated and everything else sharded."""
+    cache = tmp_path / "tp2"
+    result = torchrun(2, "extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
+                      "--batch-tokens", "256", "--tp", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = manifest(cache)["shards"].values()
+    assert {r["layout"]["tp"] for r in records} == {2}
+    assert all("self_attn replicated" in r["layout"]["tp_plan"] for r in records)
+    assert row_ranges(cache) == row_ranges(reference)
+    # Sharded matmuls sum in another order: equal within float32 noise, then the bf16 rounding.
+    assert_same_content(cache, reference, exact=False, atol=0.02)
