@@ -35,7 +35,10 @@ class ExtractConfig:
     batch_tokens: int = 8192                      # forward batch budget, padding included
     zstd_level: int = 3
     tp: int = 1
-    writer_queue: int = 4
+    # Batches queued for the background writer. None = auto: 4 when the target runs on a GPU;
+    # 0 (write inline) on CPU, where a concurrent writer thread slows the multi-threaded forward
+    # by more than the writing costs (BENCHMARKS.md: 0.75 vs 0.95 of bare forward throughput).
+    writer_queue: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -49,6 +52,7 @@ class ExtractConfig:
             (self.batch_tokens >= 1, f"batch_tokens must be >= 1, got {self.batch_tokens}"),
             (1 <= self.zstd_level <= 22, f"zstd_level must be in 1..22, got {self.zstd_level}"),
             (self.tp >= 1, f"tp must be >= 1, got {self.tp}"),
+            (self.writer_queue is None or self.writer_queue >= 0, f"writer_queue must be >= 0, got {self.writer_queue}"),
             (isinstance(self.data, list) and self.data, "data must be a non-empty list of files"),
         ]
         for ok, message in checks:

@@ -237,45 +237,33 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     if layout.is_writer:
         update_manifest(cache_dir, init)
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
-    capture = Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0)
-    totals = {"shards_written": 0, "shards_already_committed": 0, "shards_locked_elsewhere": 0,
-              "samples": 0, "tokens": 0, "stored_bytes": 0, "malformed": 0, "no_supervised_tokens": 0,
-              "overlong_skipped": 0, "truncated": 0}
+    run = _ShardRun(cfg=cfg, paths=paths, tokenizer=tokenizer, facts=facts, taps=taps, model=model, layout=layout,
+                    cache_dir=cache_dir, tp_plan=tp_plan,
+                    capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
+    skipped = {"committed": 0, "locked": 0}
     bar = _Progress(enabled=progress and layout.rank == 0,
                     total=sum(len(shard_rows(s, dataset["num_rows"], cfg.num_shards)) for s in mine))
+    stream_start = time.perf_counter()
     with bar:
-        for shard in mine:
-            lock = FileLock(cache_dir / shard_lock_name(shard))
-            state = "write"
-            if layout.is_writer:
-                manifest = read_manifest(cache_dir)
-                if shard_name(shard) in manifest["shards"]:
-                    state = "committed"
-                elif not lock.acquire(blocking=False):
-                    state = "locked"
-                elif shard_name(shard) in read_manifest(cache_dir)["shards"]:
-                    state = "committed"  # another process finished it between our two looks
-                    lock.release()
-            state = layout.broadcast_from_writer(state)
-            rows = shard_rows(shard, dataset["num_rows"], cfg.num_shards)
-            if state != "write":
-                totals["shards_already_committed" if state == "committed" else "shards_locked_elsewhere"] += 1
-                bar.advance(len(rows))
-                continue
-            try:
-                record = _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout,
-                                      cache_dir, taps, bar, tp_plan)
-            finally:
-                lock.release()
-            if layout.is_writer and record is not None:
-                update_manifest(cache_dir, lambda m, r=record, n=shard_name(shard): {**m, "shards": {**m["shards"], n: r}})
-                totals["shards_written"] += 1
-                totals["samples"] += record["samples"]
-                totals["tokens"] += record["tokens"]
-                totals["stored_bytes"] += record["bytes"]
-                for key in ("malformed", "no_supervised_tokens", "overlong_skipped", "truncated"):
-                    totals[key] += record["counts"][key]
+        try:
+            for shard in mine:
+                rows = shard_rows(shard, dataset["num_rows"], cfg.num_shards)
+                state, lock = _claim(cache_dir, shard, layout)
+                if state != "write":
+                    skipped[state] += 1
+                    bar.advance(len(rows))
+                    continue
+                run.process(shard, rows, lock, bar)
+        finally:
+            run.close()
+    stream_seconds = time.perf_counter() - stream_start
     seconds = time.perf_counter() - start
+    totals = {"shards_written": len(run.records), "shards_already_committed": skipped["committed"],
+              "shards_locked_elsewhere": skipped["locked"],
+              "samples": sum(r["samples"] for r in run.records), "tokens": sum(r["tokens"] for r in run.records),
+              "stored_bytes": sum(r["bytes"] for r in run.records)}
+    for key in ("malformed", "no_supervised_tokens", "overlong_skipped", "truncated"):
+        totals[key] = sum(r["counts"][key] for r in run.records)
     raw_hidden = len(taps) * facts.hidden_size * 2
     tokens = max(totals["tokens"], 1)
     return {
@@ -289,46 +277,81 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         "raw_bf16_hidden_bytes_per_token": raw_hidden,
         "compression_vs_raw_bf16_hidden": raw_hidden * tokens / totals["stored_bytes"] if totals["stored_bytes"] else None,
         "seconds": seconds,
+        "setup_seconds": seconds - stream_seconds,
         "tokens_per_s": totals["tokens"] / seconds,
+        "stream_tokens_per_s": totals["tokens"] / stream_seconds,
+        "writer": "inline" if run.writer_queue == 0 else f"background thread, queue {run.writer_queue}",
     }
 
 
-def _write_shard(cfg, shard, rows, paths, tokenizer, facts, capture, model, layout, cache_dir, taps, bar,
-                 tp_plan) -> dict | None:
-    samples, counts = prepare_samples(cfg, paths, rows, tokenizer, facts.vocab_size)
-    if not samples:
-        raise PipelineError(f"{shard_name(shard)}: none of its {len(rows)} rows yields a supervised sample "
-                            f"({counts}); fix the data or use fewer shards")
-    writer = background = None
+def _claim(cache_dir: Path, shard: int, layout: Layout) -> tuple[str, FileLock | None]:
+    """('write', held lock) | ('committed', None) | ('locked', None), decided by the group's writer."""
+    state, lock = "write", None
     if layout.is_writer:
-        dims = {"n_taps": len(taps), "hidden_size": facts.hidden_size, "top_k": cfg.top_k}
-        writer = ShardWriter(cache_dir, shard, dims=dims, hidden_format=cfg.hidden_format, zstd_level=cfg.zstd_level,
-                             attrs={"schema_version": SCHEMA_VERSION, "row_range": [rows.start, rows.stop]})
-        background = BackgroundWriter(depth=cfg.writer_queue)
-    counter = KernelCallCounter(model)
-    try:
+        name = shard_name(shard)
+        if name in read_manifest(cache_dir)["shards"]:
+            state = "committed"
+        else:
+            lock = FileLock(cache_dir / shard_lock_name(shard))
+            if not lock.acquire(blocking=False):
+                state, lock = "locked", None
+            elif name in read_manifest(cache_dir)["shards"]:
+                lock.release()  # another process finished it between our two looks
+                state, lock = "committed", None
+    return layout.broadcast_from_writer(state), lock
+
+
+class _ShardRun:
+    """Forward on this thread; encoding, compression, writing and the commit of each shard on one
+    background thread, so shard k commits while shard k+1 runs through the target."""
+
+    def __init__(self, *, cfg, paths, tokenizer, facts, taps, model, layout, cache_dir, tp_plan, capture):
+        self.cfg, self.paths, self.tokenizer, self.facts, self.taps = cfg, paths, tokenizer, facts, taps
+        self.model, self.layout, self.cache_dir, self.tp_plan, self.capture = model, layout, cache_dir, tp_plan, capture
+        self.writer_queue = cfg.writer_queue if cfg.writer_queue is not None else (4 if torch.cuda.is_available() else 0)
+        self.background = BackgroundWriter(depth=self.writer_queue) if layout.is_writer else None
+        self.records: list[dict] = []
+
+    def process(self, shard: int, rows: range, lock: FileLock | None, bar) -> None:
+        cfg = self.cfg
+        samples, counts = prepare_samples(cfg, self.paths, rows, self.tokenizer, self.facts.vocab_size)
+        if not samples:
+            raise PipelineError(f"{shard_name(shard)}: none of its {len(rows)} rows yields a supervised sample "
+                                f"({counts}); fix the data or use fewer shards")
+        writer = None
+        if self.layout.is_writer:
+            dims = {"n_taps": len(self.taps), "hidden_size": self.facts.hidden_size, "top_k": cfg.top_k}
+            writer = ShardWriter(self.cache_dir, shard, dims=dims, hidden_format=cfg.hidden_format,
+                                 zstd_level=cfg.zstd_level,
+                                 attrs={"schema_version": SCHEMA_VERSION, "row_range": [rows.start, rows.stop]},
+                                 num_tokens=sum(len(s[1]) for s in samples))
+        counter = KernelCallCounter(self.model)
         for batch in length_batches(samples, cfg.batch_tokens):
             with counter:
-                outs = capture([s[1] for s in batch])
-            if background is not None:
-                background.submit(lambda b=batch, o=outs: [
+                outs = self.capture([s[1] for s in batch])
+            if writer is not None:
+                self.background.submit(lambda b=batch, o=outs: [
                     writer.append(sid, encode_rows(cfg, ids, mask, out)) for (sid, ids, mask), out in zip(b, o)])
             bar.advance(len(batch), tokens=sum(len(s[1]) for s in batch))
         bar.advance(len(rows) - len(samples))
-        if background is None:
-            return None
-        background.close()
-        background = None
-        writer.attrs.update({"counts": counts, "kernels": kernel_record(model, counter.counts),
-                             "layout": {**layout.record(), "tp_plan": tp_plan}, "host": platform.node(),
-                             "environment": environment()})
-        return writer.commit()
-    finally:
-        if background is not None:
-            try:
-                background.close()
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                pass
+        if writer is not None:
+            writer.attrs.update({"counts": counts, "kernels": kernel_record(self.model, counter.counts),
+                                 "layout": {**self.layout.record(), "tp_plan": self.tp_plan},
+                                 "host": platform.node(), "environment": environment()})
+            self.background.submit(lambda: self._commit(writer, shard, lock))
+
+    def _commit(self, writer: ShardWriter, shard: int, lock: FileLock) -> None:
+        try:
+            record = writer.commit()
+            name = shard_name(shard)
+            update_manifest(self.cache_dir, lambda m: {**m, "shards": {**m["shards"], name: record}})
+            self.records.append(record)
+        finally:
+            lock.release()
+
+    def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
 
 
 class _Progress:

@@ -153,6 +153,12 @@ def test_shard_selection_splits_work(tmp_path, small_data, cache):
     assert_same_content(path, cache[0])
 
 
+def test_background_writer_gives_the_same_cache(tmp_path, small_data, cache):
+    summary = extract(tmp_path / "bg", small_data[0], writer_queue=2, batch_tokens=128)
+    assert summary["writer"] == "background thread, queue 2"
+    assert_same_content(tmp_path / "bg", cache[0], exact=False, atol=0.02)
+
+
 def test_fp8_mode(tmp_path, small_data, cache):
     path = tmp_path / "fp8"
     summary = extract(path, small_data[0], hidden_format="fp8")

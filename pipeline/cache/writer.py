@@ -27,7 +27,9 @@ from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape, shard_
 
 class ShardWriter:
     def __init__(self, cache_dir: Path, index: int, *, dims: dict[str, int], hidden_format: str,
-                 zstd_level: int = 3, attrs: dict | None = None):
+                 zstd_level: int = 3, attrs: dict | None = None, num_tokens: int | None = None):
+        """num_tokens: the shard's final token count when known up front; the arrays are then
+        created at full size and never resized (half the metadata writes)."""
         self.cache_dir = Path(cache_dir)
         self.index = index
         self.tmp = self.cache_dir / temp_shard_name(index)
@@ -41,10 +43,12 @@ class ShardWriter:
         self.buffered: dict[str, int] = {}
         self.written: dict[str, int] = {}
         self.specs = {s.name: s for s in array_specs(hidden_format)}
+        self.num_tokens = num_tokens
         for spec in self.specs.values():
             inner = inner_shape(spec, dims)
             n = chunk_tokens(spec, dims) if spec.per == "token" else 1 << 16
-            arr = self.group.create_array(spec.name, shape=(0, *inner), chunks=(n, *inner), dtype=spec.dtype,
+            length = num_tokens if (num_tokens is not None and spec.per == "token") else 0
+            arr = self.group.create_array(spec.name, shape=(length, *inner), chunks=(n, *inner), dtype=spec.dtype,
                                           compressors=codecs, fill_value=0,
                                           attributes={"per": spec.per, "logical": spec.logical})
             if spec.per == "token":
@@ -76,7 +80,10 @@ class ShardWriter:
         if take == 0:
             return
         arr, start = self.token_arrays[name], self.written[name]
-        arr.resize((start + take, *arr.shape[1:]))
+        if self.num_tokens is None:
+            arr.resize((start + take, *arr.shape[1:]))
+        elif start + take > self.num_tokens:
+            raise ValueError(f"{shard_name(self.index)}: more tokens than the {self.num_tokens} announced")
         arr[start:start + take] = data[:take]
         self.written[name] = start + take
         rest = data[take:]
@@ -88,6 +95,8 @@ class ShardWriter:
             raise ValueError(f"{shard_name(self.index)}: refusing to commit an empty shard")
         for name in self.token_arrays:
             self._flush(name, final=True)
+        if self.num_tokens is not None and self.offsets[-1] != self.num_tokens:
+            raise ValueError(f"{shard_name(self.index)}: {self.offsets[-1]} tokens written, {self.num_tokens} announced")
         for name, values in (("offsets", self.offsets), ("sample_id", self.sample_ids)):
             arr = self.group[name]
             arr.resize((len(values),))
@@ -113,13 +122,16 @@ class ShardWriter:
 
 class BackgroundWriter:
     """Runs callables on one thread, behind a queue of at most `depth` pending items. Errors
-    surface on the next `submit` or on `close`."""
+    surface on the next `submit` or on `close`. depth=0 runs each callable inline instead (the
+    right choice when the forward itself runs on every CPU core: see BENCHMARKS.md)."""
 
     def __init__(self, depth: int = 4):
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.inline = depth == 0
+        self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
-        self.thread.start()
+        if not self.inline:
+            self.thread.start()
 
     def _run(self) -> None:
         while True:
@@ -134,18 +146,15 @@ class BackgroundWriter:
 
     def submit(self, fn) -> None:
         self._raise()
-        self.queue.put(fn)
-
-    def drain(self) -> None:
-        """Wait until everything submitted so far has run."""
-        done = threading.Event()
-        self.queue.put(done.set)
-        done.wait()
-        self._raise()
+        if self.inline:
+            fn()
+        else:
+            self.queue.put(fn)
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        if not self.inline:
+            self.queue.put(None)
+            self.thread.join()
         self._raise()
 
     def _raise(self) -> None:
