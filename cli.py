@@ -130,14 +130,56 @@ def train(
 def verify_cache(
     cache: Annotated[Path, typer.Argument(help="Cache directory to verify.")],
     shards: Annotated[Optional[str], typer.Option(help="Only these shards, e.g. '0-7'.")] = None,
-    target: Annotated[Optional[Path], typer.Option(help="Target directory to recompute samples with.")] = None,
+    target: Annotated[Optional[Path], typer.Option(help="Target directory (default: the one the manifest records, if present).")] = None,
     recompute: Annotated[int, typer.Option(help="Samples to re-run through --target and compare tap by tap.")] = 0,
     sample_rate: Annotated[float, typer.Option(help="Fraction of chunks whose checksums are verified.")] = 1.0,
-    show: Annotated[Optional[str], typer.Option(help="Print this sample decoded, supervised spans highlighted.")] = None,
+    show: Annotated[Optional[int], typer.Option(help="Print this sample decoded, supervised spans highlighted.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for the sampled chunks and samples.")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Prove a cache is complete, intact, aligned and correctly masked."""
-    _not_landed("verify-cache", 4, "cache verification")
+    """Prove a cache is complete, intact, aligned and correctly masked. Exit 0: all checks pass;
+    1: a check failed; 2: usage error."""
+    from pipeline.ui import console, error, print_json
+    from stages.verify import run_verify, show_sample
+
+    try:
+        if show is not None:
+            header, text = show_sample(cache, show, target)
+            if not json_out:
+                console.print(header, markup=False)
+                console.print(text)
+        result = run_verify(cache, shards=shards, target=target, recompute=recompute, sample_rate=sample_rate, seed=seed,
+                            progress=not json_out)
+    except PipelineError as e:
+        if _state["debug"]:
+            raise
+        error(str(e))
+        raise typer.Exit(2) from None
+    if json_out:
+        print_json(result)
+    else:
+        _show_checks(result)
+    raise typer.Exit(0 if result["passed"] else 1)
+
+
+def _show_checks(result: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from pipeline.ui import console
+
+    table = Table(title=f"verify-cache {escape(result['cache'])}", title_justify="left")
+    table.add_column("check", style="bold")
+    table.add_column("status")
+    table.add_column("evidence")
+    colours = {"pass": "green", "fail": "bold red", "skipped": "yellow"}
+    for check in result["checks"]:
+        table.add_row(check["check"], f"[{colours[check['status']]}]{check['status']}[/]", escape(check["summary"]))
+        for problem in (check["evidence"].get("problems") or check["evidence"].get("failures")
+                        or check["evidence"].get("mismatched") or [])[:5]:
+            table.add_row("", "", f"[red]{escape(problem)}[/]")
+    console.print(table)
+    console.print("[bold green]all checks passed[/]" if result["passed"] else "[bold red]verification FAILED[/]")
 
 
 @app.command()

@@ -35,7 +35,7 @@ def test_stage_options_are_documented(command, options):
         assert option in result.output, f"{command} --help lacks {option}"
 
 
-@pytest.mark.parametrize("args", [["train", "--cache", "x"], ["verify-cache", "x"]])
+@pytest.mark.parametrize("args", [["train", "--cache", "x"]])
 def test_unlanded_stages_refuse_with_exit_2(args):
     result = invoke(*args)
     assert result.exit_code == 2

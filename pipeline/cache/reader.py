@@ -54,6 +54,13 @@ class ShardReader:
         except Exception as e:  # noqa: BLE001
             raise PipelineError(f"{self.path}/{name}: read of sample {sample_id} failed ({type(e).__name__}: {e})") from None
 
+    def read_range(self, name: str, a: int, b: int) -> np.ndarray:
+        """Token (or sample) range [a, b) of one array, by global position inside the shard."""
+        try:
+            return self.group[name][a:b]
+        except Exception as e:  # noqa: BLE001
+            raise PipelineError(f"{self.path}/{name}[{a}:{b}]: read failed ({type(e).__name__}: {e})") from None
+
     def hidden(self, sample_id: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Decoded taps [tokens, n_taps, H] (bfloat16 for bf16 caches, float32 for fp8)."""
         bits = self.read("hidden", sample_id, start, stop)

@@ -1,0 +1,225 @@
+"""Model-free checks of a cache (DESIGN 5, 6): structure, checksums, finiteness, label
+alignment, top-k consistency, provenance agreement across shards.
+
+Each check returns a `Check`: a name, pass/fail, a one-line summary and the evidence. Memory
+stays bounded: token arrays are read in windows of whole samples (at most WINDOW_TOKENS
+tokens) and hidden states one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.cache.encoding import decode_bf16, decode_fp8
+from pipeline.cache.files import tree_digest
+from pipeline.cache.reader import CacheReader, ShardReader
+from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape
+from pipeline.errors import PipelineError
+
+WINDOW_TOKENS = 1 << 18  # about 70 MB of per-token arrays at top-k 32
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    summary: str
+    evidence: dict = field(default_factory=dict)
+    skipped: bool = False
+
+    def record(self) -> dict:
+        status = "skipped" if self.skipped else ("pass" if self.passed else "fail")
+        return {"check": self.name, "status": status, "summary": self.summary, "evidence": self.evidence}
+
+
+def dims_of(manifest: dict) -> dict[str, int]:
+    cap = manifest["config"]["capture"]
+    return {"n_taps": len(cap["target_layer_ids"]), "hidden_size": cap["hidden_size"], "top_k": cap["top_k"]}
+
+
+def check_structure(reader: CacheReader, shards: list[str]) -> Check:
+    """Every listed shard exists; counts, offsets, dtypes, shapes and chunking are as declared."""
+    problems, specs = [], array_specs(reader.hidden_format)
+    dims = dims_of(reader.manifest)
+    for name in shards:
+        record = reader.manifest["shards"][name]
+        path = reader.dir / name
+        if not path.is_dir():
+            problems.append(f"{name}: listed in the manifest but missing on disk")
+            continue
+        try:
+            shard = ShardReader(path, reader.hidden_format)
+        except PipelineError as e:
+            problems.append(str(e))
+            continue
+        if shard.num_samples != record["samples"] or shard.num_tokens != record["tokens"]:
+            problems.append(f"{name}: {shard.num_samples} samples / {shard.num_tokens} tokens on disk, "
+                            f"manifest says {record['samples']} / {record['tokens']}")
+        if shard.offsets[0] != 0 or np.any(np.diff(shard.offsets) <= 0):
+            problems.append(f"{name}: offsets are not strictly increasing from 0")
+        if len(set(shard.sample_ids.tolist())) != shard.num_samples:
+            problems.append(f"{name}: repeated sample ids")
+        for spec in specs:
+            if spec.name not in shard.group:
+                problems.append(f"{name}/{spec.name}: array missing")
+                continue
+            arr = shard.group[spec.name]
+            length = shard.num_tokens if spec.per == "token" else (shard.num_samples + (spec.name == "offsets"))
+            want = (length, *inner_shape(spec, dims))
+            if tuple(arr.shape) != want or str(arr.dtype) != spec.dtype:
+                problems.append(f"{name}/{spec.name}: {arr.dtype}{tuple(arr.shape)}, declared {spec.dtype}{want}")
+            elif spec.per == "token" and arr.chunks[0] != chunk_tokens(spec, dims):
+                problems.append(f"{name}/{spec.name}: chunks {arr.chunks}, schema says {chunk_tokens(spec, dims)} tokens")
+        attrs = dict(shard.group.attrs)
+        for key in ("samples", "tokens", "row_range", "kernels"):
+            if attrs.get(key) != record.get(key):
+                problems.append(f"{name}: shard attribute {key!r} disagrees with the manifest")
+    return Check("structure", not problems,
+                 f"{len(shards)} shards: counts, offsets, dtypes, shapes, chunking" + (f"; {len(problems)} problems" if problems else " as declared"),
+                 {"problems": problems[:50]})
+
+
+def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Check:
+    if not enabled:
+        return Check("digests", True, "skipped: --sample-rate < 1 reads only part of the cache", skipped=True)
+    bad = [name for name in shards if (reader.dir / name).is_dir()
+           and "sha256:" + tree_digest(reader.dir / name) != reader.manifest["shards"][name]["digest"]]
+    return Check("digests", not bad, f"sha256 of {len(shards)} shards" + (f": {len(bad)} differ from the manifest" if bad else " match the manifest"),
+                 {"mismatched": bad})
+
+
+def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, seed: int, progress=None) -> tuple[Check, Check]:
+    """Decode chunks (Zarr verifies each CRC32C on decode); count NaN/Inf per tap on the way."""
+    rng = random.Random(seed)
+    dims = dims_of(reader.manifest)
+    n_taps = dims["n_taps"]
+    nan, inf = np.zeros(n_taps, dtype=np.int64), np.zeros(n_taps, dtype=np.int64)
+    decoded = total = 0
+    failures = []
+    for name in shards:
+        if not (reader.dir / name).is_dir():
+            continue
+        shard = ShardReader(reader.dir / name, reader.hidden_format)
+        for spec in array_specs(reader.hidden_format):
+            arr = shard.group[spec.name]
+            step = arr.chunks[0]
+            for a in range(0, arr.shape[0], step):
+                total += 1
+                if sample_rate < 1.0 and rng.random() >= sample_rate:
+                    continue
+                try:
+                    block = arr[a:a + step]
+                except Exception as e:  # noqa: BLE001 - checksum and codec errors come in several types
+                    failures.append(f"{name}/{spec.name} chunk {a // step}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                decoded += 1
+                if spec.name == "hidden":
+                    values = _decode_hidden(shard, block, a, reader.hidden_format)
+                    nan += np.isnan(values).sum(axis=(0, 2))
+                    inf += np.isinf(values).sum(axis=(0, 2))
+        if progress:
+            progress()
+    crc = Check("checksums", not failures,
+                f"{decoded} of {total} chunks decoded with CRC32C verified" + (f"; {len(failures)} failed" if failures else ""),
+                {"failures": failures[:50], "decoded": decoded, "total": total, "sample_rate": sample_rate})
+    finite = Check("finite", not (nan.any() or inf.any()), "NaN/Inf per tap: " + ", ".join(
+        f"tap {t}: {int(n)}/{int(i)}" for t, n, i in zip(reader.manifest["config"]["capture"]["target_layer_ids"], nan, inf)),
+        {"nan_per_tap": nan.tolist(), "inf_per_tap": inf.tolist()})
+    return crc, finite
+
+
+def _decode_hidden(shard: ShardReader, block: np.ndarray, a: int, hidden_format: str) -> np.ndarray:
+    if hidden_format == "bf16":
+        return decode_bf16(block).float().numpy()
+    scale = shard.read_range("hidden_scale", a, a + len(block))
+    return decode_fp8(block, scale).numpy()
+
+
+def sample_windows(offsets: np.ndarray, max_tokens: int = WINDOW_TOKENS):
+    """(first_row, last_row_exclusive) windows of whole samples, each at most max_tokens (or one sample)."""
+    lo = 0
+    while lo < len(offsets) - 1:
+        hi = lo + 1
+        while hi < len(offsets) - 1 and offsets[hi + 1] - offsets[lo] <= max_tokens:
+            hi += 1
+        yield lo, hi
+        lo = hi
+
+
+def check_alignment(reader: CacheReader, shards: list[str]) -> tuple[Check, Check]:
+    """Label alignment (target_argmax[t-1] == input_ids[t] on supervised t, at shifts -1/0/+1)
+    and top-k consistency, one window of whole samples at a time."""
+    hits = {-1: 0, 0: 0, 1: 0}
+    counts = {-1: 0, 0: 0, 1: 0}
+    topk_problems = {"argmax_not_top1": 0, "logits_not_sorted": 0, "logsumexp_below_max": 0}
+    tokens = 0
+    for name in shards:
+        if not (reader.dir / name).is_dir():
+            continue
+        shard = ShardReader(reader.dir / name, reader.hidden_format)
+        for lo, hi in sample_windows(shard.offsets):
+            a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
+            try:
+                ids, mask, arg = (shard.read_range(k, a, b) for k in ("input_ids", "loss_mask", "target_argmax"))
+                top_ids, top_logits, lse = (shard.read_range(k, a, b) for k in
+                                            ("target_topk_ids", "target_topk_logits", "target_logsumexp"))
+            except PipelineError:
+                continue  # reported by the checksum check
+            starts = (shard.offsets[lo:hi] - a).astype(np.int64)
+            ends = (shard.offsets[lo + 1:hi + 1] - a).astype(np.int64)
+            sample_of = np.repeat(np.arange(hi - lo), ends - starts)
+            pos = np.arange(b - a) - starts[sample_of]
+            length = (ends - starts)[sample_of]
+            for shift in (-1, 0, 1):
+                src = np.arange(b - a) - 1 + shift
+                ok = (mask == 1) & (pos - 1 + shift >= 0) & (pos - 1 + shift < length) & (pos >= 1)
+                idx = np.nonzero(ok)[0]
+                hits[shift] += int((arg[src[idx]] == ids[idx]).sum())
+                counts[shift] += len(idx)
+            topk_problems["argmax_not_top1"] += int((arg != top_ids[:, 0]).sum())
+            topk_problems["logits_not_sorted"] += int((np.diff(top_logits, axis=1) > 0).any(axis=1).sum())
+            topk_problems["logsumexp_below_max"] += int((lse < top_logits[:, 0] - 1e-3).sum())
+            tokens += b - a
+    rates = {s: hits[s] / counts[s] if counts[s] else None for s in hits}
+    best = max((s for s in rates if rates[s] is not None), key=lambda s: rates[s], default=None)
+    names = {-1: "t-2", 0: "t-1", 1: "t"}
+    passed = best == 0 and rates[0] is not None and rates[0] > max(rates[-1] or 0, rates[1] or 0) + 0.05
+    summary = ", ".join(f"argmax[{names[s]}]==ids[t]: {rates[s]:.3f}" for s in (-1, 0, 1) if rates[s] is not None)
+    if not passed and best is not None:
+        summary += f" (best is argmax[{names[best]}]: labels look shifted by {best:+d})" if best else " (no clear winner)"
+    alignment = Check("label_alignment", passed, summary or "no supervised positions",
+                      {"rates_by_shift": {str(s): r for s, r in rates.items()}, "supervised_positions": counts[0]})
+    topk = Check("topk_consistency", not any(topk_problems.values()),
+                 f"{tokens} tokens: " + ", ".join(f"{k} {v}" for k, v in topk_problems.items()), topk_problems)
+    return alignment, topk
+
+
+def check_provenance(reader: CacheReader, shards: list[str]) -> Check:
+    """Kernel path and tool environment agree across shards; the config carries the identity."""
+    paths, envs = {}, {}
+    for name in shards:
+        rec = reader.manifest["shards"][name]
+        paths.setdefault(rec.get("kernels", {}).get("path", "unknown"), []).append(name)
+        env = rec.get("environment", {})
+        key = (env.get("torch"), env.get("transformers"), env.get("flash_linear_attention"), env.get("causal_conv1d"))
+        envs.setdefault(str(key), []).append(name)
+    config = reader.manifest["config"]
+    ok = len(paths) <= 1
+    summary = (f"kernel path {'/'.join(paths) or 'none'} across {len(shards)} shards"
+               + ("" if ok else " (MIXED)") + f"; taps {config['capture']['target_layer_ids']}, hidden "
+               f"{config['capture']['hidden_size']}, vocab {config['capture']['vocab_size']}")
+    return Check("provenance", ok, summary, {
+        "kernel_paths": {k: len(v) for k, v in paths.items()},
+        "environments": {k: len(v) for k, v in envs.items()},
+        "tokenizer": config["tokenizer"], "target": {k: v for k, v in config["target"].items() if k != "weights"},
+        "capture": config["capture"]})
+
+
+def open_cache(cache_dir: Path) -> CacheReader:
+    if not cache_dir.is_dir():
+        raise PipelineError(f"{cache_dir}: no such cache directory")
+    return CacheReader(cache_dir)
