@@ -19,7 +19,7 @@ import torch
 
 from pipeline.cache.encoding import encode_bf16, encode_fp8
 from pipeline.cache.files import FileLock
-from pipeline.cache.manifest import config_conflicts, new_manifest, read_manifest, update_manifest
+from pipeline.cache.manifest import config_conflicts, new_manifest, read_manifest, shard_identity, update_manifest
 from pipeline.cache.schema import SCHEMA_VERSION, shard_lock_name, shard_name
 from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
@@ -238,7 +238,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         update_manifest(cache_dir, init)
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
     run = _ShardRun(cfg=cfg, paths=paths, tokenizer=tokenizer, facts=facts, taps=taps, model=model, layout=layout,
-                    cache_dir=cache_dir, tp_plan=tp_plan,
+                    cache_dir=cache_dir, tp_plan=tp_plan, identity=shard_identity(identity),
                     capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
     bar = _Progress(enabled=progress and layout.rank == 0,
@@ -305,7 +305,8 @@ class _ShardRun:
     """Forward on this thread; encoding, compression, writing and the commit of each shard on one
     background thread, so shard k commits while shard k+1 runs through the target."""
 
-    def __init__(self, *, cfg, paths, tokenizer, facts, taps, model, layout, cache_dir, tp_plan, capture):
+    def __init__(self, *, cfg, paths, tokenizer, facts, taps, model, layout, cache_dir, tp_plan, identity, capture):
+        self.identity = identity
         self.cfg, self.paths, self.tokenizer, self.facts, self.taps = cfg, paths, tokenizer, facts, taps
         self.model, self.layout, self.cache_dir, self.tp_plan, self.capture = model, layout, cache_dir, tp_plan, capture
         self.writer_queue = cfg.writer_queue if cfg.writer_queue is not None else (4 if torch.cuda.is_available() else 0)
@@ -335,7 +336,8 @@ class _ShardRun:
             bar.advance(len(batch), tokens=sum(len(s[1]) for s in batch))
         bar.advance(len(rows) - len(samples))
         if writer is not None:
-            writer.attrs.update({"counts": counts, "kernels": kernel_record(self.model, counter.counts),
+            writer.attrs.update({"counts": counts, "identity": self.identity,
+                                 "kernels": kernel_record(self.model, counter.counts),
                                  "layout": {**self.layout.record(), "tp_plan": self.tp_plan},
                                  "host": platform.node(), "environment": environment()})
             self.background.submit(lambda: self._commit(writer, shard, lock))

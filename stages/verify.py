@@ -79,6 +79,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     worst = {"max_abs": 0.0, "max_rel": 0.0}
     best_index: dict[int, dict[int, int]] = {t: {} for t in taps}
     argmax_same = topk_same = positions = 0
+    best_shift: dict[int, int] = {}
     counter = KernelCallCounter(model)
     for name, row in picks:
         shard = reader.shard(name)
@@ -94,6 +95,10 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
             j = int(err.argmin())
             best_index[tap][j] = best_index[tap].get(j, 0) + 1
             ref = states[tap + 1]
+            shift_err = {d: float((stored[max(d, 0):len(stored) + min(d, 0), k] - ref[max(-d, 0):len(ref) - max(d, 0)]).abs().max())
+                         for d in (-1, 0, 1)}
+            d_best = min(shift_err, key=shift_err.get)
+            best_shift[d_best] = best_shift.get(d_best, 0) + 1
             abs_err = float((stored[:, k] - ref).abs().max())
             worst["max_abs"] = max(worst["max_abs"], abs_err)
             worst["max_rel"] = max(worst["max_rel"], abs_err / max(float(ref.abs().max()), 1e-6))
@@ -105,10 +110,16 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     now = kernel_record(model, counter.counts)["path"]
     recorded = sorted({reader.manifest["shards"][n].get("kernels", {}).get("path") for n, _ in picks})
     aligned = all(list(best) == [t + 1] for t, best in best_index.items())
-    passed = aligned and worst["max_rel"] <= tol and argmax_same >= 0.99 * positions
-    summary = (f"{len(picks)} samples: every tap best matches hidden_states[tap+1]" if aligned else
-               "taps match the wrong layers: " + ", ".join(f"tap {t} -> hidden_states{sorted(b)}" for t, b in best_index.items()
-                                                         if list(b) != [t + 1]))
+    in_place = list(best_shift) == [0]
+    passed = aligned and in_place and worst["max_rel"] <= tol and argmax_same >= 0.99 * positions
+    if not in_place:
+        d = max((d for d in best_shift if d), key=best_shift.get)
+        summary = f"hidden states shifted by {d:+d} position (stored[t] matches hidden_states[t{-d:+d}])"
+    elif aligned:
+        summary = f"{len(picks)} samples: every tap best matches hidden_states[tap+1]"
+    else:
+        summary = "taps match the wrong layers: " + ", ".join(f"tap {t} -> hidden_states{sorted(b)}" for t, b in best_index.items()
+                                                             if list(b) != [t + 1])
     summary += (f"; max abs err {worst['max_abs']:.3g}, rel {worst['max_rel']:.3g} (tolerance {tol}); "
                 f"argmax agree {argmax_same / max(positions, 1):.4f}, top-k agree {topk_same / max(positions, 1):.4f}; "
                 f"kernels now {now}, recorded {'/'.join(map(str, recorded))}")
@@ -116,6 +127,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         summary += f" (drift between kernel paths: max rel err {worst['max_rel']:.3g})"
     return Check("recompute", passed, summary, {
         "best_hidden_state_index": {str(t): {str(j): c for j, c in b.items()} for t, b in best_index.items()},
+        "best_position_shift": {str(d): c for d, c in best_shift.items()},
         **worst, "argmax_agreement": argmax_same / max(positions, 1), "topk_agreement": topk_same / max(positions, 1),
         "kernel_path_now": now, "kernel_path_recorded": recorded, "samples": len(picks)})
 
@@ -161,6 +173,27 @@ def check_loss_masks(reader: CacheReader, picks, tokenizer) -> Check:
                  {"mismatched": mismatched[:50], "supervised_span_per_sample": spans})
 
 
+def check_mask_boundaries(reader: CacheReader, picks, tokenizer) -> Check:
+    """The stored masks obey the rule (no dataset needed, only the tokenizer's chat tokens)."""
+    from pipeline.data.loss_mask import mask_violations
+
+    vocab = tokenizer.get_vocab()
+    if "<|im_start|>" not in vocab:
+        return Check("mask_boundaries", True, "skipped: the tokenizer has no <|im_start|> turn marker", skipped=True)
+    end = reader.manifest["config"]["tokenizer"]["end_of_turn"]
+    kinds: dict[str, list[str]] = {}
+    for name, row in picks:
+        shard = reader.shard(name)
+        sid = int(shard.sample_ids[row])
+        found = mask_violations(shard.read("input_ids", sid).tolist(), shard.read("loss_mask", sid).tolist(),
+                                turn_start=vocab["<|im_start|>"], end_of_turn=vocab[end], decode=tokenizer.decode)
+        for kind, pos in found.items():
+            kinds.setdefault(kind, []).append(f"sample {sid} position {pos}")
+    summary = (f"{len(picks)} samples: headers, system/user turns unsupervised; {end} supervised" if not kinds else
+               "; ".join(f"{kind} ({len(where)} samples, e.g. {where[0]})" for kind, where in kinds.items()))
+    return Check("mask_boundaries", not kinds, summary, {"violations": {k: v[:10] for k, v in kinds.items()}})
+
+
 def load_tokenizer_and_model(target_dir: Path, need_model: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -176,6 +209,8 @@ def load_tokenizer_and_model(target_dir: Path, need_model: bool):
 
 def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
                sample_rate: float = 1.0, seed: int = 0, num_mask_samples: int = 32, progress: bool = False) -> dict:
+    import time as _time
+    start = _time.perf_counter()
     if not 0.0 < sample_rate <= 1.0:
         raise PipelineError(f"--sample-rate must be in (0, 1], got {sample_rate}")
     if recompute < 0:
@@ -202,13 +237,21 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
     if target_dir is not None and present:
         tokenizer, model = load_tokenizer_and_model(target_dir, need_model=recompute > 0)
         checks.append(check_target_identity(reader, target_dir, tokenizer))
-        checks.append(check_loss_masks(reader, pick_samples(reader, present, max(num_mask_samples, recompute), seed), tokenizer))
+        mask_picks = pick_samples(reader, present, max(num_mask_samples, recompute), seed)
+        checks.append(check_mask_boundaries(reader, mask_picks, tokenizer))
+        checks.append(check_loss_masks(reader, mask_picks, tokenizer))
         if recompute:
             tol = 0.02 if reader.hidden_format == "bf16" else 0.1
             checks.append(check_recompute(reader, pick_samples(reader, present, recompute, seed + 1), model, tol))
     else:
         checks.append(Check("loss_mask", True, "skipped: no target to take the tokenizer and chat template from", skipped=True))
-    return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks]}
+    import resource
+    import time as _time
+    seconds = _time.perf_counter() - start
+    tokens = sum(reader.manifest["shards"][s]["tokens"] for s in selected)
+    return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
+            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 class _ShardProgress:

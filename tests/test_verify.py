@@ -39,13 +39,6 @@ def status(report):
     return {c["check"]: c["status"] for c in report["checks"]}
 
 
-def rewrite(cache, array, fn):
-    """Rewrite one array of every shard through Zarr (valid checksums, wrong content)."""
-    for shard in sorted(cache.glob("shard-*")):
-        arr = zarr.open_array(str(shard / array), mode="r+")
-        arr[:] = fn(arr[:])
-
-
 def test_good_cache_passes_everything(good):
     result, report = verify(good, "--recompute", "3")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -60,65 +53,155 @@ def test_good_cache_passes_everything(good):
     assert recompute["best_hidden_state_index"] == {"1": {"2": 3}, "3": {"4": 3}, "5": {"6": 3}}
 
 
-def test_flipped_byte_fails_checksums_and_digest(copy):
-    cache, _ = copy
+IM_START, IM_END = 497, 498  # the shipped tokenizer's ids; test_fault_ids checks them
+
+
+def per_shard(cache, array, fn, *extra):
+    """Rewrite one array of every shard through Zarr (valid checksums, wrong content)."""
+    for shard in sorted(cache.glob("shard-*")):
+        arrays = [zarr.open_array(str(shard / name), mode="r+") for name in (array, *extra)]
+        arrays[0][:] = fn(*(arr[:] for arr in arrays))
+
+
+def span_starts(mask):
+    return np.nonzero((mask == 1) & (np.concatenate([[0], mask[:-1]]) == 0))[0]
+
+
+def mask_over_header(mask, ids):
+    out = mask.copy()
+    for t in span_starts(mask):
+        out[t - 3:t] = 1
+    return out
+
+
+def mask_over_user(mask, ids, user_id):
+    out = mask.copy()
+    for t in np.nonzero(ids == IM_START)[0]:
+        if t + 1 < len(ids) and ids[t + 1] == user_id:
+            end = t + np.argmax(ids[t:] == IM_END)
+            out[t + 3:end + 1] = 1
+    return out
+
+
+def unmask_im_end(mask, ids):
+    out = mask.copy()
+    out[(ids == IM_END) & (mask == 1)] = 0
+    return out
+
+
+def nan_in_tap(hidden):
+    out = hidden.copy()
+    out[::7, 1, :4] = 0x7FC0  # bfloat16 NaN bit pattern, tap index 1 (layer 3)
+    return out
+
+
+def set_identity(cache, shard, **changes):
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["shards"][shard]["identity"].update(changes)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    group = zarr.open_group(str(cache / shard), mode="r+")
+    group.attrs["identity"] = {**group.attrs["identity"], **changes}
+
+
+def edit_manifest(cache, fn):
+    manifest = json.loads((cache / "manifest.json").read_text())
+    fn(manifest)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+
+
+def flip_byte(cache):
     chunk = sorted((cache / "shard-00001" / "hidden" / "c").rglob("*"))[-1]
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x01
     chunk.write_bytes(bytes(data))
-    result, report = verify(cache)
-    assert result.returncode == 1
-    s = status(report)
-    assert s["checksums"] == "fail" and s["digests"] == "fail"
-    failures = next(c for c in report["checks"] if c["check"] == "checksums")["evidence"]["failures"]
-    assert any("shard-00001/hidden" in f for f in failures)
 
 
-def test_missing_shard_fails_structure(copy):
-    cache, _ = copy
-    shutil.rmtree(cache / "shard-00002")
-    result, report = verify(cache)
-    assert result.returncode == 1
-    problems = next(c for c in report["checks"] if c["check"] == "structure")["evidence"]["problems"]
-    assert "shard-00002: listed in the manifest but missing on disk" in problems
+def copy_hidden_from(other):
+    def plant(cache):
+        for shard in sorted(cache.glob("shard-*")):
+            shutil.rmtree(shard / "hidden")
+            shutil.copytree(other / shard.name / "hidden", shard / "hidden")
+    return plant
+
+
+def kernels_fla(m):
+    m["shards"]["shard-00001"]["kernels"]["path"] = "fla"
+
+
+def more_tokens(m):
+    m["shards"]["shard-00000"]["tokens"] += 1
+
+
+# (fault, plant(cache, ctx), extra verify args, failing check, message fragment)
+FAULTS = [
+    ("hidden states shifted by one position", lambda c, x: per_shard(c, "hidden", lambda a: np.roll(a, 1, axis=0)),
+     ["--recompute", "2"], "recompute", "hidden states shifted by +1 position"),
+    ("taps taken from hidden_states[i] instead of [i+1]", lambda c, x: copy_hidden_from(x["layers_024"])(c),
+     ["--recompute", "2"], "recompute", "tap 1 -> hidden_states[1]"),
+    ("two taps swapped", lambda c, x: per_shard(c, "hidden", lambda a: a[:, [1, 0, 2], :].copy()),
+     ["--recompute", "2"], "recompute", "tap 1 -> hidden_states[4]"),
+    ("loss mask extended over the assistant header", lambda c, x: per_shard(c, "loss_mask", mask_over_header, "input_ids"),
+     [], "mask_boundaries", "assistant header supervised"),
+    ("loss mask covering a user turn", lambda c, x: per_shard(c, "loss_mask", lambda m, i: mask_over_user(m, i, x["user_id"]), "input_ids"),
+     [], "mask_boundaries", "user turn supervised"),
+    ("<|im_end|> unmasked", lambda c, x: per_shard(c, "loss_mask", unmask_im_end, "input_ids"),
+     [], "mask_boundaries", "end-of-turn token not supervised"),
+    ("a flipped byte in one chunk", lambda c, x: flip_byte(c), [], "checksums", "shard-00001/hidden chunk"),
+    ("a missing chunk", lambda c, x: (c / "shard-00001" / "target_argmax" / "c" / "0").unlink(),
+     [], "structure", "shard-00001/target_argmax: chunk file(s) [0] missing"),
+    ("a shard missing from disk but listed", lambda c, x: shutil.rmtree(c / "shard-00002"),
+     [], "structure", "shard-00002: listed in the manifest but missing on disk"),
+    ("token count mismatch", lambda c, x: edit_manifest(c, more_tokens), [], "structure", "manifest says"),
+    ("NaN injected into one tap", lambda c, x: per_shard(c, "hidden", nan_in_tap), [], "finite", "tap 3: "),
+    ("one shard with another tokenizer digest", lambda c, x: set_identity(c, "shard-00001", tokenizer_files_sha256="0" * 64),
+     [], "provenance", "shard-00001: tokenizer_files_sha256"),
+    ("one shard with different kernel provenance", lambda c, x: edit_manifest(c, kernels_fla), [], "provenance", "MIXED"),
+]
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory, good, tokenizer):
+    """What some faults need: a cache tapped one layer early, and the id of 'user'."""
+    root = tmp_path_factory.mktemp("faults")
+    manifest = json.loads((good / "manifest.json").read_text())
+    other = root / "layers_024"
+    run_extract(ExtractConfig(cache=str(other), data=manifest["sources"]["data"], num_shards=3, layers=[0, 2, 4]),
+                None, progress=False)
+    return {"layers_024": other, "user_id": tokenizer("user", add_special_tokens=False)["input_ids"][0]}
+
+
+def test_fault_ids(tokenizer):
+    assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [IM_START, IM_END]
+
+
+@pytest.mark.parametrize("fault, plant, args, check, message", FAULTS, ids=[f[0] for f in FAULTS])
+def test_planted_fault_is_named(good, context, tmp_path, fault, plant, args, check, message):
+    cache = tmp_path / "cache"
+    shutil.copytree(good, cache)
+    plant(cache, context)
+    result, report = verify(cache, *args)
+    assert result.returncode == 1, f"{fault}: verify passed"
+    found = next(c for c in report["checks"] if c["check"] == check)
+    text = found["summary"] + " " + json.dumps(found["evidence"])
+    assert found["status"] == "fail" and message in text, f"{fault}: {found}"
 
 
 def test_shifted_labels_are_flagged_with_the_shift(copy):
     cache, _ = copy
-    rewrite(cache, "target_argmax", lambda a: np.roll(a, 1))  # label of t now sits at t, one late
+    per_shard(cache, "target_argmax", lambda a: np.roll(a, 1))  # label of t now sits at t, one late
     result, report = verify(cache)
     assert result.returncode == 1
     check = next(c for c in report["checks"] if c["check"] == "label_alignment")
     assert check["status"] == "fail" and "shifted by +1" in check["summary"]
 
 
-def test_swapped_taps_are_caught_by_recompute(copy):
+def test_mask_off_by_one_is_caught_by_rederivation(copy):
     cache, _ = copy
-    rewrite(cache, "hidden", lambda a: a[:, ::-1, :].copy())
-    result, report = verify(cache, "--recompute", "2")
-    assert result.returncode == 1
-    check = next(c for c in report["checks"] if c["check"] == "recompute")
-    assert check["status"] == "fail"
-    assert check["evidence"]["best_hidden_state_index"]["1"] == {"6": 2}
-    assert "tap 1 -> hidden_states[6]" in check["summary"]
-
-
-def test_mask_off_by_one_is_caught(copy):
-    cache, _ = copy
-    rewrite(cache, "loss_mask", lambda a: np.roll(a, 1))
+    per_shard(cache, "loss_mask", lambda a: np.roll(a, 1))
     result, report = verify(cache)
     assert result.returncode == 1
     check = next(c for c in report["checks"] if c["check"] == "loss_mask")
     assert check["status"] == "fail" and "loss_mask differs first at position" in check["evidence"]["mismatched"][0]
-
-
-def test_mixed_kernel_provenance_is_flagged(copy):
-    cache, manifest = copy
-    manifest["shards"]["shard-00001"]["kernels"]["path"] = "fla"
-    (cache / "manifest.json").write_text(json.dumps(manifest))
-    result, report = verify(cache)
-    assert result.returncode == 1
-    assert "MIXED" in next(c for c in report["checks"] if c["check"] == "provenance")["summary"]
 
 
 def test_unknown_schema_version(copy):

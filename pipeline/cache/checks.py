@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
 from pipeline.cache.files import tree_digest
+from pipeline.cache.manifest import shard_identity
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape
 from pipeline.errors import PipelineError
@@ -74,8 +75,15 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                 problems.append(f"{name}/{spec.name}: {arr.dtype}{tuple(arr.shape)}, declared {spec.dtype}{want}")
             elif spec.per == "token" and arr.chunks[0] != chunk_tokens(spec, dims):
                 problems.append(f"{name}/{spec.name}: chunks {arr.chunks}, schema says {chunk_tokens(spec, dims)} tokens")
+            else:
+                expected = -(-arr.shape[0] // arr.chunks[0])
+                present = {int(p.relative_to(path / spec.name / "c").parts[0])
+                           for p in (path / spec.name / "c").rglob("*") if p.is_file()}
+                missing = sorted(set(range(expected)) - present)
+                if missing:
+                    problems.append(f"{name}/{spec.name}: chunk file(s) {missing[:5]} missing of {expected}")
         attrs = dict(shard.group.attrs)
-        for key in ("samples", "tokens", "row_range", "kernels"):
+        for key in ("samples", "tokens", "row_range", "kernels", "identity"):
             if attrs.get(key) != record.get(key):
                 problems.append(f"{name}: shard attribute {key!r} disagrees with the manifest")
     return Check("structure", not problems,
@@ -200,19 +208,26 @@ def check_alignment(reader: CacheReader, shards: list[str]) -> tuple[Check, Chec
 
 def check_provenance(reader: CacheReader, shards: list[str]) -> Check:
     """Kernel path and tool environment agree across shards; the config carries the identity."""
-    paths, envs = {}, {}
+    paths, envs, identity_problems = {}, {}, []
+    expected = shard_identity(reader.manifest["config"])
     for name in shards:
         rec = reader.manifest["shards"][name]
+        for key, value in (rec.get("identity") or {}).items():
+            if expected.get(key) != value:
+                identity_problems.append(f"{name}: {key} {str(value)[:16]} differs from the cache's {str(expected.get(key))[:16]}")
         paths.setdefault(rec.get("kernels", {}).get("path", "unknown"), []).append(name)
         env = rec.get("environment", {})
         key = (env.get("torch"), env.get("transformers"), env.get("flash_linear_attention"), env.get("causal_conv1d"))
         envs.setdefault(str(key), []).append(name)
     config = reader.manifest["config"]
-    ok = len(paths) <= 1
+    ok = len(paths) <= 1 and not identity_problems
     summary = (f"kernel path {'/'.join(paths) or 'none'} across {len(shards)} shards"
-               + ("" if ok else " (MIXED)") + f"; taps {config['capture']['target_layer_ids']}, hidden "
+               + ("" if len(paths) <= 1 else " (MIXED)")
+               + (f"; {len(identity_problems)} shards disagree with the cache identity" if identity_problems else "")
+               + f"; taps {config['capture']['target_layer_ids']}, hidden "
                f"{config['capture']['hidden_size']}, vocab {config['capture']['vocab_size']}")
     return Check("provenance", ok, summary, {
+        "problems": identity_problems[:50],
         "kernel_paths": {k: len(v) for k, v in paths.items()},
         "environments": {k: len(v) for k, v in envs.items()},
         "tokenizer": config["tokenizer"], "target": {k: v for k, v in config["target"].items() if k != "weights"},

@@ -76,3 +76,14 @@ def config_conflicts(recorded: dict, requested: dict, prefix: str = "") -> list[
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
+
+
+def shard_identity(identity: dict) -> dict:
+    """What every shard repeats of the cache identity, so shards of one cache can be compared
+    with each other and with the manifest (a shard written by another tokenizer shows up)."""
+    cap = identity["capture"]
+    return {"target_config_sha256": identity["target"]["config_sha256"],
+            "tokenizer_files_sha256": identity["tokenizer"]["files_sha256"],
+            "chat_template_sha256": identity["tokenizer"]["chat_template_sha256"],
+            "target_layer_ids": cap["target_layer_ids"], "hidden_size": cap["hidden_size"],
+            "vocab_size": cap["vocab_size"], "top_k": cap["top_k"], "hidden_format": cap["hidden_format"]}

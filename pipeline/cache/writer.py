@@ -50,6 +50,9 @@ class ShardWriter:
             length = num_tokens if (num_tokens is not None and spec.per == "token") else 0
             arr = self.group.create_array(spec.name, shape=(length, *inner), chunks=(n, *inner), dtype=spec.dtype,
                                           compressors=codecs, fill_value=0,
+                                          # every chunk gets a file (even all-zero ones), so a
+                                          # missing file is damage, never a silent fill value
+                                          config={"write_empty_chunks": True},
                                           attributes={"per": spec.per, "logical": spec.logical})
             if spec.per == "token":
                 self.token_arrays[spec.name], self.chunk[spec.name] = arr, n

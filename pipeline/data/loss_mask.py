@@ -48,3 +48,39 @@ def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: str, **t
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s <= a and b <= e for s, e in spans)) for a, b in enc["offset_mapping"]]
     return Tokenized(input_ids=list(enc["input_ids"]), loss_mask=mask, text=text)
+
+
+def mask_violations(input_ids: list[int], loss_mask: list[int], *, turn_start: int, end_of_turn: int, decode) -> dict[str, int]:
+    """Where a stored mask breaks the rule, for Qwen-style chat tokens (<|im_start|>role\\n ...
+    <|im_end|>). Returns {violation: first position}; empty when the mask obeys DESIGN 3.5:
+    headers and non-assistant turns unsupervised, each supervised assistant turn closed by a
+    supervised end-of-turn, nothing supervised outside a turn."""
+    found: dict[str, int] = {}
+
+    def note(kind: str, pos: int) -> None:
+        found.setdefault(kind, pos)
+
+    n, i = len(input_ids), 0
+    while i < n:
+        if input_ids[i] != turn_start:
+            if loss_mask[i]:
+                note("supervised token outside any turn", i)
+            i += 1
+            continue
+        header_end = i + 1
+        while header_end < n and "\n" not in decode([input_ids[header_end]]):
+            header_end += 1
+        role = decode(input_ids[i + 1:header_end]).strip()
+        end = header_end + 1
+        while end < n and input_ids[end] != end_of_turn and input_ids[end] != turn_start:
+            end += 1
+        if any(loss_mask[i:header_end + 1]):
+            note(f"{role} header supervised", i + next(k for k, m in enumerate(loss_mask[i:header_end + 1]) if m))
+        content = loss_mask[header_end + 1:end + 1]
+        if role != "assistant" and any(content):
+            note(f"{role} turn supervised", header_end + 1 + content.index(1))
+        if role == "assistant" and any(loss_mask[header_end + 1:end]) and end < n and input_ids[end] == end_of_turn \
+                and not loss_mask[end]:
+            note("end-of-turn token not supervised", end)
+        i = end + 1 if end < n and input_ids[end] == end_of_turn else end
+    return found
