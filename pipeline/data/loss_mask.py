@@ -7,6 +7,12 @@ end-of-turn token, padding.
 The spans are found by rendering prefixes with the template itself, so the rule follows
 whatever the template emits: the assistant turn's text is what rendering messages[:i+1]
 adds after rendering messages[:i] with the generation prompt (the header).
+
+Some templates are not prefix-stable: Qwen3.x renders the last assistant turn with a
+`<think>` block and earlier turns without. For those the spans are found in the full
+rendering instead: each assistant turn starts after the generation prompt's header, skipping
+whatever else the generation prompt supplies at inference (with thinking off, the empty
+`<think></think>` block), and ends with the end-of-turn token.
 """
 
 from __future__ import annotations
@@ -34,13 +40,37 @@ def supervised_char_spans(tokenizer, messages: list[dict], end_of_turn: str, **t
         with_header = render(messages[:i], True)
         with_turn = render(messages[: i + 1], False)
         if not (with_turn.startswith(with_header) and text.startswith(with_turn)):
-            raise ValueError(f"chat template is not prefix-stable at message {i}; cannot derive the loss mask")
+            return text, _scan_spans(text, messages, end_of_turn, render)
         turn = with_turn[len(with_header):]
         close = turn.rfind(end_of_turn)
         if close < 0:
             raise ValueError(f"assistant message {i} is not closed by {end_of_turn!r} in the rendered template")
         spans.append((len(with_header), len(with_header) + close + len(end_of_turn)))
     return text, spans
+
+
+def _scan_spans(text: str, messages: list[dict], end_of_turn: str, render) -> list[tuple[int, int]]:
+    """Spans for templates that render history differently from the last turn (see module doc)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    prompt = render(messages[:first], True)[len(render(messages[:first], False)):]  # e.g. "<|im_start|>assistant\n"
+    num_turns = sum(m["role"] == "assistant" for m in messages)
+    cuts = [k + 1 for k, ch in enumerate(prompt) if ch == "\n"] or [len(prompt)]
+    header = next((prompt[:c] for c in sorted(cuts, reverse=True) if text.count(prompt[:c]) == num_turns), None)
+    if not header:
+        raise ValueError("chat template is not prefix-stable and its assistant header "
+                         f"{prompt!r} does not mark each assistant turn; cannot derive the loss mask")
+    supplied = prompt[len(header):]  # given to the model at inference, so never a label
+    spans, cursor = [], 0
+    for _ in range(num_turns):
+        start = text.index(header, cursor) + len(header)
+        if supplied and text.startswith(supplied, start):
+            start += len(supplied)
+        close = text.find(end_of_turn, start)
+        if close < 0:
+            raise ValueError(f"an assistant turn is not closed by {end_of_turn!r} in the rendered template")
+        spans.append((start, close + len(end_of_turn)))
+        cursor = close
+    return spans
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: str, **template_kwargs) -> Tokenized:
