@@ -24,7 +24,7 @@ from pipeline.cache.schema import SCHEMA_VERSION, shard_lock_name, shard_name
 from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
-from pipeline.data.conversations import iter_rows
+from pipeline.data.conversations import index_rows, iter_rows
 from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import Layout, init_layout
@@ -90,16 +90,15 @@ def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device
 
 
 def scan_dataset(paths: list[Path], on_error: str) -> dict:
-    """One pass over the dataset: row count, malformed rows (fail fast before any GPU work) and
-    file digests, so the shard plan and the manifest's data identity are known up front."""
-    num_rows = malformed = 0
-    for item in iter_rows(paths, on_error=on_error):
-        num_rows += 1
-        malformed += isinstance(item, PipelineError)
+    """One validating pass over the dataset: row count, malformed rows (fail fast before any GPU
+    work), where each row starts (so each shard reads only its rows) and file digests, so the
+    shard plan and the manifest's data identity are known up front."""
+    index, malformed = index_rows(paths, on_error)
+    num_rows = sum(index.counts)
     if num_rows == 0:
         raise PipelineError(f"{', '.join(map(str, paths))}: the dataset has no rows")
     files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]
-    return {"num_rows": num_rows, "malformed_rows": malformed, "files": files}
+    return {"num_rows": num_rows, "malformed_rows": malformed, "files": files, "index": index}
 
 
 def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, taps: list[int], dataset: dict,
@@ -127,11 +126,12 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, t
     }
 
 
-def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenizer, vocab_size: int) -> tuple[list, dict]:
+def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenizer, vocab_size: int,
+                    index=None) -> tuple[list, dict]:
     """(samples [(sample_id, input_ids, loss_mask)], counts) for one shard's rows."""
     counts = {"rows": len(rows), "malformed": 0, "no_supervised_tokens": 0, "overlong_skipped": 0, "truncated": 0}
     samples = []
-    for item in iter_rows(paths, on_error=cfg.on_error, wanted=rows):
+    for item in iter_rows(paths, on_error=cfg.on_error, wanted=rows, index=index):
         if isinstance(item, PipelineError):
             counts["malformed"] += 1
             continue
@@ -196,7 +196,7 @@ def encode_rows(cfg: ExtractConfig, ids: list[int], mask: list[int], out: dict) 
     return rows
 
 
-def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool = True, log=None) -> dict:
+def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool = True) -> dict:
     start = time.perf_counter()
     layout = init_layout(cfg.tp)
     target_dir = resolve_target(cfg.target)
@@ -238,7 +238,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         update_manifest(cache_dir, init)
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
     run = _ShardRun(cfg=cfg, paths=paths, tokenizer=tokenizer, facts=facts, taps=taps, model=model, layout=layout,
-                    cache_dir=cache_dir, tp_plan=tp_plan, identity=shard_identity(identity),
+                    cache_dir=cache_dir, tp_plan=tp_plan, identity=shard_identity(identity), index=dataset["index"],
                     capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
     bar = _Progress(enabled=progress and layout.rank == 0,
@@ -305,8 +305,8 @@ class _ShardRun:
     """Forward on this thread; encoding, compression, writing and the commit of each shard on one
     background thread, so shard k commits while shard k+1 runs through the target."""
 
-    def __init__(self, *, cfg, paths, tokenizer, facts, taps, model, layout, cache_dir, tp_plan, identity, capture):
-        self.identity = identity
+    def __init__(self, *, cfg, paths, tokenizer, facts, taps, model, layout, cache_dir, tp_plan, identity, capture, index):
+        self.identity, self.index = identity, index
         self.cfg, self.paths, self.tokenizer, self.facts, self.taps = cfg, paths, tokenizer, facts, taps
         self.model, self.layout, self.cache_dir, self.tp_plan, self.capture = model, layout, cache_dir, tp_plan, capture
         self.writer_queue = cfg.writer_queue if cfg.writer_queue is not None else (4 if torch.cuda.is_available() else 0)
@@ -315,7 +315,7 @@ class _ShardRun:
 
     def process(self, shard: int, rows: range, lock: FileLock | None, bar) -> None:
         cfg = self.cfg
-        samples, counts = prepare_samples(cfg, self.paths, rows, self.tokenizer, self.facts.vocab_size)
+        samples, counts = prepare_samples(cfg, self.paths, rows, self.tokenizer, self.facts.vocab_size, self.index)
         if not samples:
             raise PipelineError(f"{shard_name(shard)}: none of its {len(rows)} rows yields a supervised sample "
                                 f"({counts}); fix the data or use fewer shards")

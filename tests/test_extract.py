@@ -187,3 +187,19 @@ def test_input_formats_give_the_same_cache(tmp_path, small_data, cache, tokenize
                        ("pretok", write_rows(tmp_path / "pt.jsonl", pretok)), ("parquet", parquet)):
         extract(tmp_path / name, data)
         assert_same_content(tmp_path / name, cache[0])
+
+
+def test_rows_are_read_by_index(tmp_path, train_rows):
+    """A shard's rows come from seeking to them: the same rows as a full pass, across files,
+    blank lines included."""
+    from pipeline.data.conversations import index_rows, iter_rows
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps(r) for r in train_rows[:7]) + "\n\n")
+    b.write_text("\n" + "\n".join(json.dumps(r) for r in train_rows[7:20]) + "\n")
+    index, malformed = index_rows([a, b])
+    assert index.counts == [7, 13] and malformed == 0
+    full = list(iter_rows([a, b]))
+    for wanted in (range(0, 3), range(5, 12), range(7, 8), range(15, 20), {2, 9, 19}):
+        got = list(iter_rows([a, b], wanted=wanted, index=index))
+        want = [(r.sample_id, r.where, r.messages) for r in full if r.sample_id in wanted]
+        assert [(r.sample_id, r.where, r.messages) for r in got] == want

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 from pipeline.errors import PipelineError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -27,34 +29,79 @@ class Row:
     loss_mask: list[int] | None = None
 
 
-def _raw_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(location, parsed object or exception) for each row of one file."""
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise PipelineError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        try:
-            table = pq.ParquetFile(path)
-        except Exception as e:  # noqa: BLE001
-            raise PipelineError(f"{path}: not a readable Parquet file ({e})") from None
-        row = 0
-        for batch in table.iter_batches(batch_size=1024):
-            for obj in batch.to_pylist():
-                yield f"{path}:row {row}", obj
-                row += 1
-        return
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PipelineError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001
+        raise PipelineError(f"{path}: not a readable Parquet file ({e})") from None
+    row = 0
+    for batch in table.iter_batches(batch_size=1024):
+        for obj in batch.to_pylist():
+            yield f"{path}:row {row}", obj
+            row += 1
+
+
+def _jsonl_lines(path: Path, offset: int = 0, line_no: int = 1) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, raw bytes) of each non-blank line, from `offset` on."""
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line_no}"
+        f.seek(offset)
+        for raw in f:
+            if raw.strip():
+                yield line_no, offset, raw
+            offset += len(raw)
+            line_no += 1
+
+
+def _decode(where: str, raw: bytes):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return PipelineError(f"{where}: not valid UTF-8 (byte {e.start})")
+    except json.JSONDecodeError as e:
+        return PipelineError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowIndex:
+    """Where each row starts, so a shard's rows are read without parsing the whole dataset.
+    Per file: row count, and for JSONL the (line number, byte offset) of every row."""
+    counts: list[int]
+    lines: list[np.ndarray | None]
+    offsets: list[np.ndarray | None]
+
+
+def index_rows(paths: list[Path], on_error: str = "fail") -> tuple[RowIndex, int]:
+    """One validating pass over the dataset: (index, number of malformed rows). With
+    on_error='fail' the first bad row raises its PipelineError."""
+    counts, lines, offsets, malformed, sample_id = [], [], [], 0, 0
+    for path in paths:
+        if not path.is_file():
+            raise PipelineError(f"{path}: dataset file not found")
+        if path.suffix == ".parquet":
+            items = ((where, obj, None, None) for where, obj in _parquet_rows(path))
+        else:
+            items = ((f"{path}:{n}", _decode(f"{path}:{n}", raw), n, off) for n, off, raw in _jsonl_lines(path))
+        file_lines, file_offsets, count = [], [], 0
+        for where, obj, n, off in items:
             try:
-                yield where, json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield where, PipelineError(f"{where}: not valid UTF-8 (byte {e.start})")
-            except json.JSONDecodeError as e:
-                yield where, PipelineError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+                parse_row(sample_id, where, obj)
+            except PipelineError:
+                if on_error != "skip":
+                    raise
+                malformed += 1
+            file_lines.append(n)
+            file_offsets.append(off)
+            count += 1
+            sample_id += 1
+        counts.append(count)
+        jsonl = path.suffix != ".parquet"
+        lines.append(np.asarray(file_lines, dtype=np.int64) if jsonl else None)
+        offsets.append(np.asarray(file_offsets, dtype=np.int64) if jsonl else None)
+    return RowIndex(counts=counts, lines=lines, offsets=offsets), malformed
 
 
 def parse_row(sample_id: int, where: str, obj) -> Row:
@@ -95,20 +142,42 @@ def parse_row(sample_id: int, where: str, obj) -> Row:
     return Row(sample_id=sample_id, where=where, messages=messages)
 
 
-def iter_rows(paths: list[Path], *, on_error: str = "fail", wanted: range | None = None) -> Iterator[Row | PipelineError]:
-    """Rows in order with global sample ids. With on_error='skip' a bad row is yielded as its
-    PipelineError (so the caller can count it); with 'fail' it is raised. `wanted` limits which
-    sample ids are parsed (the rest are only counted)."""
-    sample_id = 0
-    for path in paths:
+def iter_rows(paths: list[Path], *, on_error: str = "fail", wanted: range | set[int] | None = None,
+              index: RowIndex | None = None) -> Iterator[Row | PipelineError]:
+    """Rows in order with global sample ids, only those in `wanted` (all if None). With
+    on_error='skip' a bad row is yielded as its PipelineError (so the caller can count it);
+    with 'fail' it is raised. With an index, JSONL files are entered at the first wanted row
+    and files outside `wanted` are not opened."""
+    if wanted is not None and not wanted:
+        return
+    lo, hi = ((wanted.start, wanted.stop) if isinstance(wanted, range) else (min(wanted), max(wanted) + 1)) \
+        if wanted is not None else (0, None)
+    base = 0
+    for i, path in enumerate(paths):
         if not path.is_file():
             raise PipelineError(f"{path}: dataset file not found")
-        for where, obj in _raw_rows(path):
-            if wanted is None or sample_id in wanted:
-                try:
-                    yield parse_row(sample_id, where, obj)
-                except PipelineError as e:
-                    if on_error != "skip":
-                        raise
-                    yield e
-            sample_id += 1
+        count = index.counts[i] if index is not None else None
+        if count is not None and (base + count <= lo or (hi is not None and base >= hi)):
+            base += count
+            continue
+        if path.suffix == ".parquet":
+            items = ((base + k, where, lambda obj=obj: obj) for k, (where, obj) in enumerate(_parquet_rows(path)))
+        else:
+            first = max(0, lo - base) if index is not None else 0
+            start = (int(index.offsets[i][first]), int(index.lines[i][first])) if first else (0, 1)
+            items = ((base + first + k, f"{path}:{n}", lambda raw=raw, where=f"{path}:{n}": _decode(where, raw))
+                     for k, (n, _, raw) in enumerate(_jsonl_lines(path, *start)))
+        seen = 0
+        for sample_id, where, load in items:
+            seen = sample_id - base + 1
+            if hi is not None and sample_id >= hi:
+                return  # every later row has a larger id
+            if wanted is not None and sample_id not in wanted:
+                continue
+            try:
+                yield parse_row(sample_id, where, load())
+            except PipelineError as e:
+                if on_error != "skip":
+                    raise
+                yield e
+        base += count if count is not None else seen
