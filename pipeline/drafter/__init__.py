@@ -1,0 +1,1 @@
+"""The DFlash drafter (DESIGN 2): model, anchors, loss and metrics."""
