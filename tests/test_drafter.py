@@ -128,3 +128,39 @@ def test_metrics_on_known_logits():
     assert m["avg_streak"] == pytest.approx((2 + 0) / 2)
     assert m["pos_acc"] == pytest.approx([0.5, 1.0, 0.0])
     assert m["top4_acc"] >= 4 / 5 and m["ddtree_streak4"] >= (3 + 0) / 2
+
+
+def test_export_round_trip_and_names(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from pipeline.drafter.export import export_drafter, load_drafter
+    from pipeline.errors import PipelineError
+
+    drafter = tiny_drafter(seed=3)
+    out = tmp_path / "drafter"
+    export_drafter(drafter, out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {"target_layer_ids": [1, 3, 5], "mask_token_id": V - 1}
+    assert config["block_size"] == B and config["num_target_layers"] == 8
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(2):
+        want |= {f"layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        want |= {f"layers.{i}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        want |= {f"layers.{i}.{p}.weight" for p in ("input_layernorm", "post_attention_layernorm")}
+    assert names == want
+    loaded = load_drafter(out, embed=drafter._frozen["embed"], lm_head=drafter._frozen["lm_head"]).eval()
+    ids, anchors = torch.randint(0, V - 1, (10,)), torch.tensor([2, 5])
+    block_ids, pos, allowed = block_inputs(ids, anchors, B, V - 1)
+    taps = torch.randn(1, 10, 3, H)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(taps, block_ids[None], pos[None], allowed[None]),
+                                   drafter(taps, block_ids[None], pos[None], allowed[None]))
+    config["num_hidden_layers"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PipelineError, match="does not match its config"):
+        load_drafter(out, embed=drafter._frozen["embed"], lm_head=drafter._frozen["lm_head"])
