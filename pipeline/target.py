@@ -27,14 +27,6 @@ class TargetFacts:
     num_key_value_heads: int
     config_sha256: str
 
-    @property
-    def num_linear_attention(self) -> int:
-        return self.layer_types.count("linear_attention")
-
-    @property
-    def num_full_attention(self) -> int:
-        return self.layer_types.count("full_attention")
-
 
 def read_target_facts(path: str | Path) -> TargetFacts:
     path = Path(path)
@@ -65,3 +57,38 @@ def read_target_facts(path: str | Path) -> TargetFacts:
     if len(facts.layer_types) != num_layers:
         raise PipelineError(f"{config_file}: layer_types has {len(facts.layer_types)} entries for {num_layers} layers")
     return facts
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the "falling back to torch" notice is recorded, not printed
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(path: Path):
+    """The target's tokenizer from a local directory; nothing is downloaded."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    if not (path / "config.json").is_file():
+        raise PipelineError(f"{path}: not a target model directory (no config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+
+
+def load_model(path: Path, *, dtype=None, **kwargs):
+    """The target model from a local directory (float32 unless told), eval mode; nothing downloaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    if not list(path.glob("*.safetensors")) + list(path.glob("*.bin")):
+        raise PipelineError(f"{path}: no weight files (*.safetensors) in the target directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32, **kwargs)
+    except OSError as e:
+        raise PipelineError(f"{path}: cannot load the target ({str(e).splitlines()[0]})") from None
+    return model.eval()

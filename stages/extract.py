@@ -29,10 +29,17 @@ from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import Layout, init_layout
 from pipeline.errors import PipelineError
-from pipeline.provenance import (KernelCallCounter, environment, kernel_record, sha256_file, tokenizer_digest,
-                                 weight_digests)
+from pipeline.provenance import (
+    KernelCallCounter,
+    environment,
+    kernel_record,
+    sha256_file,
+    tokenizer_digest,
+    weight_digests,
+)
 from pipeline.taps import TAP_CONVENTION, default_taps, validate_taps
-from pipeline.target import read_target_facts
+from pipeline.target import load_model, load_tokenizer, read_target_facts
+from pipeline.ui import ProgressBar
 
 
 def resolve_target(target: str) -> Path:
@@ -62,31 +69,15 @@ def default_layers(target: str, num_layers: int) -> list[int]:
 
 def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device, layout: Layout, num_kv_heads: int):
     """(model, tokenizer, tensor-parallel plan description or None)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    weights = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
-    if not weights:
-        raise PipelineError(f"{target_dir}: no weight files (*.safetensors) in the target directory")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"{target_dir}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
-    kwargs = {"dtype": dtype, "local_files_only": True}
-    plan = None
+    tokenizer = load_tokenizer(target_dir)
+    kwargs, plan = {}, None
     if layout.tp > 1:
         from pipeline.tensor_parallel import tp_load_kwargs
-        tp_kwargs, plan = tp_load_kwargs(layout, num_kv_heads)
-        kwargs.update(tp_kwargs)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
-    except OSError as e:
-        raise PipelineError(f"{target_dir}: cannot load the target ({str(e).splitlines()[0]})") from None
+        kwargs, plan = tp_load_kwargs(layout, num_kv_heads)
+    model = load_model(target_dir, dtype=dtype, **kwargs)
     if layout.tp == 1:
         model = model.to(device)
-    return model.eval(), tokenizer, plan
+    return model, tokenizer, plan
 
 
 def scan_dataset(paths: list[Path], on_error: str) -> dict:
@@ -241,8 +232,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
                     cache_dir=cache_dir, tp_plan=tp_plan, identity=shard_identity(identity), index=dataset["index"],
                     capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
-    bar = _Progress(enabled=progress and layout.rank == 0,
-                    total=sum(len(shard_rows(s, dataset["num_rows"], cfg.num_shards)) for s in mine))
+    bar = ProgressBar("extract", "samples", enabled=progress and layout.rank == 0,
+                      total=sum(len(shard_rows(s, dataset["num_rows"], cfg.num_shards)) for s in mine))
     stream_start = time.perf_counter()
     with bar:
         try:
@@ -354,32 +345,3 @@ class _ShardRun:
     def close(self) -> None:
         if self.background is not None:
             self.background.close()
-
-
-class _Progress:
-    """Rich progress bar over rows (samples, tokens/s, ETA); a no-op when disabled."""
-
-    def __init__(self, *, enabled: bool, total: int):
-        self.enabled, self.total, self.tokens, self.t0 = enabled, total, 0, time.perf_counter()
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            from pipeline.ui import err_console
-            self.progress = Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
-                                     TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err_console,
-                                     transient=False)
-            self.task = self.progress.add_task("extract", total=total, rate="")
-
-    def __enter__(self):
-        if self.enabled:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.progress.stop()
-
-    def advance(self, rows: int, tokens: int = 0) -> None:
-        self.tokens += tokens
-        if self.enabled:
-            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-            self.progress.update(self.task, advance=rows, rate=f"{rate:,.0f} tok/s")

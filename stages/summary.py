@@ -17,7 +17,7 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.taps import default_taps
-from pipeline.target import read_target_facts
+from pipeline.target import load_model, load_tokenizer, read_target_facts
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -35,19 +35,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def load_target(path: Path):
     """(model, tokenizer) from a local directory, float32, eval mode, nothing downloaded."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # the "falling back to torch" notice is recorded, not printed
-    hf_logging.disable_progress_bar()
-    if not (path / "config.json").is_file():
-        raise PipelineError(f"{path}: not a target model directory (no config.json)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    except OSError as e:
-        raise PipelineError(f"{path}: cannot load target ({str(e).splitlines()[0]})") from None
-    return model.eval(), tokenizer
+    tokenizer = load_tokenizer(path)
+    return load_model(path), tokenizer
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.cache.reader import CacheReader
-from pipeline.drafter.blocks import block_inputs, block_targets, default_gamma, sample_anchors
+from pipeline.drafter.blocks import block_inputs, block_targets, default_gamma, sample_anchors, weighted_ce
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
@@ -185,8 +185,7 @@ def _step(drafter, opt, batch, cfg, gamma, epoch, step, lr, params) -> dict:
     logits = torch.cat([p[0] for p in pieces])
     labels = torch.cat([p[1] for p in pieces])
     weights = torch.cat([p[2] for p in pieces])
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-    loss = (ce * weights.flatten()).sum() / weights.sum().clamp_min(1e-12)
+    loss = weighted_ce(logits, labels, weights)
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)

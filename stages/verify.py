@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import random
+import resource
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.cache.checks import (Check, check_alignment, check_chunks, check_digests, check_provenance,
-                                   check_structure, open_cache)
+from pipeline.cache.checks import (
+    Check,
+    check_alignment,
+    check_chunks,
+    check_digests,
+    check_provenance,
+    check_structure,
+    open_cache,
+)
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import shard_name
 from pipeline.data.conversations import iter_rows
@@ -24,7 +33,8 @@ from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.data.shard_plan import parse_shards
 from pipeline.errors import PipelineError
 from pipeline.provenance import KernelCallCounter, kernel_record, sha256_file, tokenizer_digest
-from pipeline.target import read_target_facts
+from pipeline.target import load_model, load_tokenizer, read_target_facts
+from pipeline.ui import ProgressBar
 
 
 def select_shards(reader: CacheReader, spec: str | None) -> list[str]:
@@ -194,23 +204,9 @@ def check_mask_boundaries(reader: CacheReader, picks, tokenizer) -> Check:
     return Check("mask_boundaries", not kinds, summary, {"violations": {k: v[:10] for k, v in kinds.items()}})
 
 
-def load_tokenizer_and_model(target_dir: Path, need_model: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=torch.float32).eval() if need_model else None
-    except OSError as e:
-        raise PipelineError(f"{target_dir}: cannot load the target ({str(e).splitlines()[0]})") from None
-    return tokenizer, model
-
-
 def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
                sample_rate: float = 1.0, seed: int = 0, num_mask_samples: int = 32, progress: bool = False) -> dict:
-    import time as _time
-    start = _time.perf_counter()
+    start = time.perf_counter()
     if not 0.0 < sample_rate <= 1.0:
         raise PipelineError(f"--sample-rate must be in (0, 1], got {sample_rate}")
     if recompute < 0:
@@ -226,8 +222,8 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
                                       f"{len(selected)} selected")]
     checks.append(check_structure(reader, selected))
     checks.append(check_digests(reader, selected, sample_rate >= 1.0))
-    with _ShardProgress(len(selected), enabled=progress) as advance:
-        checks.extend(check_chunks(reader, selected, sample_rate, seed, advance))
+    with ProgressBar("verify chunks", "shards", total=len(selected), enabled=progress) as bar:
+        checks.extend(check_chunks(reader, selected, sample_rate, seed, lambda: bar.advance(1)))
     checks.extend(check_alignment(reader, selected))
     checks.append(check_provenance(reader, selected))
     target_dir = resolve_recorded_target(reader, target)
@@ -235,7 +231,8 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
         raise PipelineError("--recompute needs --target: the target recorded in the manifest is not readable here")
     present = [s for s in selected if (reader.dir / s).is_dir()]
     if target_dir is not None and present:
-        tokenizer, model = load_tokenizer_and_model(target_dir, need_model=recompute > 0)
+        tokenizer = load_tokenizer(target_dir)
+        model = load_model(target_dir) if recompute else None
         checks.append(check_target_identity(reader, target_dir, tokenizer))
         mask_picks = pick_samples(reader, present, max(num_mask_samples, recompute), seed)
         checks.append(check_mask_boundaries(reader, mask_picks, tokenizer))
@@ -245,36 +242,11 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
             checks.append(check_recompute(reader, pick_samples(reader, present, recompute, seed + 1), model, tol))
     else:
         checks.append(Check("loss_mask", True, "skipped: no target to take the tokenizer and chat template from", skipped=True))
-    import resource
-    import time as _time
-    seconds = _time.perf_counter() - start
+    seconds = time.perf_counter() - start
     tokens = sum(reader.manifest["shards"][s]["tokens"] for s in selected)
     return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-class _ShardProgress:
-    """Progress over shards for the chunk pass (the long part on a large cache); stderr only."""
-
-    def __init__(self, total: int, *, enabled: bool):
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        from pipeline.ui import err_console
-        self.progress = Progress(TextColumn("verify chunks"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
-                                 TimeRemainingColumn(), console=err_console)
-        self.progress.start()
-        task = self.progress.add_task("verify", total=self.total)
-        return lambda: self.progress.advance(task)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.progress.stop()
 
 
 def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
@@ -286,7 +258,7 @@ def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
     target_dir = resolve_recorded_target(reader, target)
     if target_dir is None:
         raise PipelineError("--show needs the target's tokenizer: pass --target")
-    tokenizer, _ = load_tokenizer_and_model(target_dir, need_model=False)
+    tokenizer = load_tokenizer(target_dir)
     ids, mask = shard.read("input_ids", sample_id).tolist(), shard.read("loss_mask", sample_id).tolist()
     text = Text()
     for token, m in zip(ids, mask):

@@ -27,7 +27,6 @@ _SHARD_RE = re.compile(r"^shard-(\d{5})$")
 
 # Hard bounds checked before anything is allocated from what a manifest or shard declares.
 MAX_SHARDS = 100_000
-MAX_TOKENS_PER_SHARD = 2**34
 MAX_TAPS = 64
 MAX_HIDDEN = 65_536
 MAX_TOP_K = 1_024

@@ -18,7 +18,7 @@ Cost per sequence: layers x (A*B queries) x (T + A*B keys).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +49,6 @@ class DrafterConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
