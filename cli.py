@@ -48,12 +48,6 @@ def _user_errors(fn):
     return wrapper
 
 
-def _not_landed(command: str, issue: int, what: str) -> None:
-    from pipeline.ui import error
-    error(f"`pipeline {command}` is not implemented yet ({what}; tracked in issue {issue}). Nothing was done.")
-    raise typer.Exit(2)
-
-
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 
 
@@ -112,18 +106,64 @@ def _show_extract(summary: dict, json_out: bool) -> None:
 
 
 @app.command()
+@_user_errors
 def train(
-    cache: Annotated[Optional[Path], typer.Option(help="Cache directory written by `pipeline extract`.")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML training config; options below override it.")] = None,
-    preset: Annotated[Optional[str], typer.Option(help="Recipe preset from manifests/presets (e.g. 'tiny', 'qwen3.6-27b').")] = None,
-    target: Annotated[Optional[Path], typer.Option(help="Target directory for the frozen embedding and lm_head (default: from the cache manifest).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory: checkpoints, train_log.jsonl, exported drafter.")] = None,
+    cache: Annotated[Optional[str], typer.Option(help="Cache directory written by `pipeline extract` (default ./dflash-cache).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML config ([train] table); options below override it; default ./train.toml if present.")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="Recipe from manifests/presets ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target directory for the frozen embedding and lm_head (default: the one the cache records).")] = None,
+    out: Annotated[Optional[str], typer.Option(help="Run directory: checkpoints/, train_log.jsonl, drafter/ (default ./dflash-run).")] = None,
     resume: Annotated[bool, typer.Option(help="Resume from the last complete checkpoint in --out.")] = True,
+    max_steps: Annotated[Optional[int], typer.Option(help="Stop after this many optimizer steps (default: num_epochs of the cache).")] = None,
+    num_epochs: Annotated[Optional[int], typer.Option(help="Epochs over the cache.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")] = None,
+    batch_sequences: Annotated[Optional[int], typer.Option(help="Sequences per optimizer step, all ranks together.")] = None,
+    micro_batch_sequences: Annotated[Optional[int], typer.Option(help="Sequences per forward on one rank (gradient accumulation).")] = None,
+    num_anchors: Annotated[Optional[int], typer.Option(help="Anchors per sequence, resampled every epoch.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Draft block size B.")] = None,
+    num_hidden_layers: Annotated[Optional[int], typer.Option(help="Drafter decoder layers.")] = None,
+    loss: Annotated[Optional[str], typer.Option(help="'ce' (hard, target argmax) or 'kl' (soft, stored top-k).")] = None,
+    noise_std: Annotated[Optional[float], typer.Option(help="Gaussian noise on the input context features (0: off).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="'auto' (bf16 autocast where supported), 'float32' or 'bfloat16'.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for init, data order, anchors and noise.")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Steps between train_log.jsonl lines.")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Steps between training checkpoints.")] = None,
+    allow_mixed_provenance: Annotated[Optional[bool], typer.Option("--allow-mixed-provenance", help="Train on shards computed by different linear-attention kernels (warns).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Train a DFlash drafter from a cache alone."""
-    _not_landed("train", 5, "stage two: the DFlash drafter trainer")
+    """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
+    import os
+
+    from pipeline.ui import TrainView, err_console
+    from stages.train import resolve_config, run_train
+
+    if config is None and Path("train.toml").is_file():
+        config = Path("train.toml")
+    overrides = {"cache": cache, "preset": preset, "target": target, "out": out, "max_steps": max_steps,
+                 "num_epochs": num_epochs, "lr": lr, "batch_sequences": batch_sequences,
+                 "micro_batch_sequences": micro_batch_sequences, "num_anchors": num_anchors, "block_size": block_size,
+                 "num_hidden_layers": num_hidden_layers, "loss": loss, "noise_std": noise_std, "dtype": dtype,
+                 "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
+                 "allow_mixed_provenance": allow_mixed_provenance}
+    cfg, preset_target = resolve_config(config, overrides)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    summary = run_train(cfg, preset_target=preset_target, resume=resume, view=TrainView(rank0 and not json_out),
+                        warn=lambda message: err_console.print(f"[yellow]warning:[/] {message}", highlight=False))
+    if not rank0:
+        return
+    _show_train(summary, json_out)
+
+
+def _show_train(summary: dict, json_out: bool) -> None:
+    from pipeline.ui import console, key_value_table, print_json
+
+    if json_out:
+        print_json(summary)
+        return
+    last = summary.pop("last") or {}
+    rows = [(k, v) for k, v in summary.items()]
+    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8") if k in last]
+    console.print(key_value_table("train", rows))
 
 
 @app.command("verify-cache")

@@ -60,32 +60,112 @@ class ExtractConfig:
                 raise PipelineError(message)
 
 
-def load_config(cls, path: Path | None, overrides: dict, *, section: str):
-    """cls from TOML `[section]` (or top-level keys) at `path`, then non-None `overrides`."""
-    values: dict = {}
-    if path is not None:
-        if not path.is_file():
-            raise PipelineError(f"{path}: config file not found")
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise PipelineError(f"{path}: invalid TOML ({e})") from None
-        values = raw.get(section, raw)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise PipelineError(f"{path}: unknown key(s) {', '.join(unknown)} in [{section}]")
-        # Relative paths in a config file are relative to the file, not to where you stand.
-        for key in ("target", "cache"):
-            if isinstance(values.get(key), str) and values[key] != EMBEDDED and not values[key].startswith("embedded:"):
-                values[key] = str((path.parent / values[key]).resolve()) if not Path(values[key]).is_absolute() else values[key]
-        if isinstance(values.get("data"), str):
-            values["data"] = [values["data"]]
-        if isinstance(values.get("data"), list):
-            values["data"] = [d if d.startswith("embedded:") or Path(d).is_absolute() else str((path.parent / d).resolve())
-                              for d in values["data"]]
+def read_config_file(cls, path: Path | None, *, section: str) -> dict:
+    """The `[section]` table (or top-level keys) of a TOML file, unknown keys refused, relative
+    paths made relative to the file."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise PipelineError(f"{path}: config file not found")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{path}: invalid TOML ({e})") from None
+    values = raw.get(section, raw)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise PipelineError(f"{path}: unknown key(s) {', '.join(unknown)} in [{section}]")
+    # Relative paths in a config file are relative to the file, not to where you stand.
+    for key in ("target", "cache", "out"):
+        if isinstance(values.get(key), str) and values[key] != EMBEDDED and not values[key].startswith("embedded:"):
+            values[key] = str((path.parent / values[key]).resolve()) if not Path(values[key]).is_absolute() else values[key]
+    if isinstance(values.get("data"), str):
+        values["data"] = [values["data"]]
+    if isinstance(values.get("data"), list):
+        values["data"] = [d if d.startswith("embedded:") or Path(d).is_absolute() else str((path.parent / d).resolve())
+                          for d in values["data"]]
+    return values
+
+
+def load_config(cls, path: Path | None, overrides: dict, *, section: str, base: dict | None = None):
+    """cls from `base` (a preset), then TOML `[section]` at `path`, then non-None `overrides`."""
+    values = {**(base or {}), **read_config_file(cls, path, section=section)}
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return cls(**values)
     except TypeError as e:
         raise PipelineError(f"{path or 'options'}: {e}") from None
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Drafter training. Defaults are DESIGN's (block 16, 512 anchors, gamma by block size); a
+    preset (`manifests/presets/NAME.toml`, [drafter] table) supplies a whole recipe."""
+    cache: str = "dflash-cache"
+    out: str = "dflash-run"
+    target: str | None = None                # None: the target the cache manifest records
+    preset: str | None = None                # None: the preset whose [target] matches the cache, if any
+    # Drafter architecture.
+    num_hidden_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None   # None: the cache's; set: must equal the cache's
+    mask_token: str = "<|MASK|>"
+    # Data.
+    num_anchors: int = 512
+    max_length: int = 3072
+    # Loss (DESIGN 3.4, 3.6).
+    loss: str = "ce"                         # "ce" (hard, default) | "kl" (soft, stored top-k)
+    gamma: float | None = None               # None: 7 for B=16, 5 for B=10, 4 for B=8
+    noise_std: float = 0.0                   # on input context features only
+    noise_schedule: str = "constant"         # "constant" | "linear" (to 0 at the last step)
+    # Optimisation.
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    warmup_steps: int | None = None          # overrides warmup_ratio
+    num_epochs: int = 6
+    max_steps: int | None = None
+    batch_sequences: int = 16                # sequences per optimizer step, all ranks together
+    micro_batch_sequences: int = 1           # sequences per forward on one rank (accumulated)
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    dtype: str = "auto"                      # "auto" (bf16 autocast where supported) | "float32" | "bfloat16"
+    seed: int = 0
+    # Bookkeeping.
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    prefetch: int = 16                       # decoded samples read ahead per rank
+    allow_mixed_provenance: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}"),
+            (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}"),
+            (self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}"),
+            (self.max_length >= 2, f"max_length must be >= 2, got {self.max_length}"),
+            (self.loss in ("ce", "kl"), f"loss must be 'ce' or 'kl', got {self.loss!r}"),
+            (self.gamma is None or self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
+            (self.noise_std >= 0, f"noise_std must be >= 0, got {self.noise_std}"),
+            (self.noise_schedule in ("constant", "linear"), f"noise_schedule must be 'constant' or 'linear', got {self.noise_schedule!r}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"),
+            (0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}"),
+            (self.warmup_steps is None or self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.num_epochs >= 1, f"num_epochs must be >= 1, got {self.num_epochs}"),
+            (self.max_steps is None or self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
+            (self.batch_sequences >= 1, f"batch_sequences must be >= 1, got {self.batch_sequences}"),
+            (self.micro_batch_sequences >= 1, f"micro_batch_sequences must be >= 1, got {self.micro_batch_sequences}"),
+            (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
+            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}"),
+            (self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}"),
+            (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
+            (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}"),
+            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (self.prefetch >= 1, f"prefetch must be >= 1, got {self.prefetch}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise PipelineError(message)

@@ -59,3 +59,40 @@ class ProgressBar:
         if self.enabled:
             rate = f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s" if self.tokens else ""
             self.progress.update(self.task, advance=n, rate=rate)
+
+
+class TrainView:
+    """The live view of `pipeline train` (stderr, rank 0): a step bar with ETA and the latest
+    logged numbers, plus one printed line per log step so the history stays on screen."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def start(self, *, total: int, done: int) -> None:
+        if not self.enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[numbers]}"),
+                                 console=err_console)
+        self.task = self.progress.add_task("train", total=total, completed=done, numbers="")
+        self.progress.start()
+
+    def update(self, step: int, record: dict | None) -> None:
+        if not self.enabled:
+            return
+        if record is None:
+            self.progress.update(self.task, completed=step)
+            return
+        numbers = (f"loss {record['loss']:.3f}  acc {record['accuracy']:.3f}  streak {record['avg_streak']:.2f}  "
+                   f"{record['tok_per_sec']:,.0f} tok/s")
+        self.progress.update(self.task, completed=step, numbers=numbers)
+        self.progress.console.print(
+            f"step {record['step']:>7}  ep {record['epoch_progress']:.2f}  loss {record['loss']:.4f}  "
+            f"acc {record['accuracy']:.3f}  top4 {record['top4_acc']:.3f}  streak {record['avg_streak']:.2f}  "
+            f"tree8 {record['ddtree_streak8']:.2f}  lr {record['lr']:.2e}  gnorm {record['grad_norm']:.2f}  "
+            f"{record['tok_per_sec']:,.0f} tok/s  wait {record['data_wait_frac']:.0%}", highlight=False)
+
+    def stop(self) -> None:
+        if self.enabled:
+            self.progress.stop()

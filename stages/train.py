@@ -1,55 +1,104 @@
-"""Stage two (issue 5, in progress): train a DFlash drafter from a cache alone, one process.
+"""Stage two: `pipeline train --cache DIR` trains a DFlash drafter from the cache alone.
 
-Per step: `batch_sequences` samples from the stream; per sample, anchors resampled from
-(seed, epoch, sample_id); all its anchors in one drafter forward; decayed hard CE against the
-stored target argmax, normalised over the whole batch (sum(ce*w)/sum(w)); AdamW with warmup and
-cosine decay, gradient clipping. One JSON line per `log_every` steps in train_log.jsonl with
-the DESIGN 4 keys. The target's weights are read only for the frozen embedding and lm_head.
+The target's weights are read only for the frozen embedding and lm_head. One optimizer step
+takes `batch_sequences` samples in the epoch order of `pipeline.drafter.stream` (a pure function
+of the shards, seed and epoch); rank r of W reads positions r, r+W, ..., so the same global
+batch forms whatever W is. The loss is normalised over the whole global batch
+(sum(ce*w) / sum(w), DESIGN 3.4): every rank knows the global sum of weights before its backward,
+so micro-batches and ranks add up to exactly the single-process gradient.
 
-Not yet: the `pipeline train` command, checkpoints and exact resume, DDP, noise, soft KL,
-bf16 autocast, TOML config (see the issue 5 note).
+Resume is exact: a checkpoint holds the drafter, optimizer, RNG and the data position (epoch,
+position); anchors come from (seed, epoch, sample id) and noise from (seed, step, sample id), so
+a resumed run logs the same losses as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from pipeline.cache.files import write_json_atomic
+from pipeline.cache.manifest import read_manifest
 from pipeline.cache.reader import CacheReader
-from pipeline.drafter.blocks import block_inputs, block_targets, default_gamma, sample_anchors, weighted_ce
+from pipeline.config import TrainConfig, load_config, read_config_file
+from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, noise_generator, pack, placeholder, prepare
+from pipeline.drafter.blocks import default_gamma
+from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
+from pipeline.drafter.compat import check_compatible, kernel_paths
 from pipeline.drafter.export import export_drafter
-from pipeline.drafter.metrics import block_metrics
+from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.errors import PipelineError
-from pipeline.target import read_target_facts
+from pipeline.provenance import tokenizer_digest, weight_digests
+from pipeline.schedule import warmup_cosine
+from pipeline.target import TargetFacts, read_target_facts
+
+# Options that may change between a checkpoint and its resume without changing the result
+# (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
+RESUMABLE_CHANGES = {"out", "cache", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
+                     "allow_mixed_provenance", "micro_batch_sequences"}
 
 
-@dataclass(kw_only=True)
-class TrainConfig:
-    cache: str
-    out: str = "runs/drafter"
-    target: str | None = None          # default: the manifest's recorded target
-    num_hidden_layers: int = 2
-    block_size: int = 8
-    gamma: float | None = None         # default: DESIGN 3.4's value for the block size
-    num_anchors: int = 512
-    max_length: int = 4096
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    num_epochs: int = 6
-    max_steps: int | None = None
-    batch_sequences: int = 8
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    seed: int = 0
-    log_every: int = 10
-    mask_token: str = "<|MASK|>"
+# --------------------------------------------------------------------------- configuration
+
+
+def match_preset(cache: str | Path) -> str | None:
+    """The preset whose [target] (layers, hidden size, vocab) matches the cache's target."""
+    from manifests import load_preset, preset_names
+
+    manifest = read_manifest(Path(cache))
+    if manifest is None:
+        return None
+    capture = manifest["config"]["capture"]
+    for name in preset_names():
+        target = load_preset(name).get("target", {})
+        if all(target.get(k) == capture[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")):
+            return name
+    return None
+
+
+def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dict | None]:
+    """TrainConfig from defaults < preset < TOML `[train]` < CLI; and the preset's [target] table."""
+    from manifests import load_preset
+
+    chosen = {**read_config_file(TrainConfig, path, section="train"), **{k: v for k, v in overrides.items() if v is not None}}
+    name = chosen.get("preset") or match_preset(chosen.get("cache", TrainConfig.cache))
+    base, preset_target = {}, None
+    if name:
+        preset = load_preset(name)
+        preset_target = preset.get("target", {})
+        base = {k: v for k, v in preset_target.items() if k in ("target_layer_ids", "mask_token")}
+        base.update(preset.get("drafter", {}))
+        base["preset"] = name
+    return load_config(TrainConfig, path, overrides, section="train", base=base), preset_target
+
+
+def resolve_target(cfg: TrainConfig, manifest: dict) -> Path:
+    """--target, else the directory the cache recorded; the embedded target if the recorded
+    path is gone (a moved install) but the embedded target is the one the cache was made from."""
+    from pipeline.embedded import TARGET_DIR
+
+    if cfg.target:
+        path = TARGET_DIR if cfg.target == "embedded" else Path(cfg.target)
+        if not (path / "config.json").is_file():
+            raise PipelineError(f"{path}: not a target model directory (no config.json)")
+        return path
+    recorded = manifest.get("sources", {}).get("target")
+    if recorded and (Path(recorded) / "config.json").is_file():
+        return Path(recorded)
+    if read_target_facts(TARGET_DIR).config_sha256 == manifest["config"]["target"].get("config_sha256"):
+        return TARGET_DIR
+    raise PipelineError(f"the target the cache was extracted with ({recorded}) is not there; pass --target DIR "
+                        "(its embedding and lm_head are needed)")
 
 
 def frozen_target_modules(target_dir: Path) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
@@ -67,7 +116,7 @@ def frozen_target_modules(target_dir: Path) -> tuple[torch.nn.Embedding, torch.n
             if not path.is_file():
                 continue
             with safe_open(str(path), "pt") as f:
-                if name in f.keys():
+                if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     found[role] = f.get_tensor(name).float()
                     break
     if "embed" not in found:
@@ -79,118 +128,365 @@ def frozen_target_modules(target_dir: Path) -> tuple[torch.nn.Embedding, torch.n
     return embed, head
 
 
-def build_drafter(cfg: TrainConfig, reader: CacheReader, target_dir: Path) -> DFlashDrafter:
+def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps: list[int]) -> DrafterConfig:
     from transformers import AutoTokenizer
 
-    facts = read_target_facts(target_dir)
-    capture = reader.manifest["config"]["capture"]
-    if (facts.hidden_size, facts.vocab_size) != (capture["hidden_size"], capture["vocab_size"]):
-        raise PipelineError(f"{target_dir}: hidden size/vocab {facts.hidden_size}/{facts.vocab_size} disagree with "
-                            f"the cache's {capture['hidden_size']}/{capture['vocab_size']}")
     text = json.loads((target_dir / "config.json").read_text())
     text = text.get("text_config") or text
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    if cfg.mask_token not in tokenizer.get_vocab():
-        raise PipelineError(f"{target_dir}: the tokenizer has no mask token {cfg.mask_token!r}")
-    config = DrafterConfig(
+    mask_id = tokenizer.convert_tokens_to_ids(cfg.mask_token)
+    if cfg.mask_token not in tokenizer.get_vocab() or mask_id is None:
+        raise PipelineError(f"{target_dir}: the tokenizer has no mask token {cfg.mask_token!r} (set mask_token)")
+    if mask_id >= facts.vocab_size:
+        raise PipelineError(f"{target_dir}: mask token {cfg.mask_token!r} id {mask_id} has no embedding row "
+                            f"(vocab_size {facts.vocab_size})")
+    return DrafterConfig(
         hidden_size=facts.hidden_size, intermediate_size=int(text["intermediate_size"]),
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=facts.num_attention_heads,
-        num_key_value_heads=facts.num_key_value_heads, head_dim=int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
-        vocab_size=facts.vocab_size, target_layer_ids=list(capture["target_layer_ids"]),
-        num_target_layers=facts.num_hidden_layers, mask_token_id=tokenizer.convert_tokens_to_ids(cfg.mask_token),
-        block_size=cfg.block_size, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)))
+        num_key_value_heads=facts.num_key_value_heads,
+        head_dim=int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
+        vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
+        mask_token_id=mask_id, block_size=cfg.block_size, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0))
+
+
+def cache_identity(manifest: dict) -> dict:
+    """What a checkpoint remembers of its cache: a resume on different data is refused."""
+    return {"capture": manifest["config"]["capture"], "data": manifest["config"]["data"],
+            "shards": {name: rec["digest"] for name, rec in sorted(manifest["shards"].items())}}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Plan:
+    """Derived sizes of a run."""
+    samples_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    per_rank: int
+    micro: int
+
+
+def make_plan(cfg: TrainConfig, samples: int, world: int) -> Plan:
+    if cfg.batch_sequences % world:
+        raise PipelineError(f"batch_sequences {cfg.batch_sequences} is not divisible by the world size {world}")
+    per_rank = cfg.batch_sequences // world
+    steps_per_epoch = samples // cfg.batch_sequences
+    if steps_per_epoch == 0:
+        raise PipelineError(f"the cache has {samples} samples, fewer than one global batch "
+                            f"(batch_sequences {cfg.batch_sequences})")
+    total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
+    return Plan(samples, steps_per_epoch, total, min(warmup, total), per_rank, min(cfg.micro_batch_sequences, per_rank))
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    if cfg.dtype == "float32":
+        return None
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+
+
+def init_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def all_sum(value: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bool = True, view=None,
+              warn=print) -> dict:
+    """Train; returns a summary. `view` receives progress (None: silent)."""
+    rank, world = init_distributed()
+    device = pick_device()
+    reader = CacheReader(cfg.cache)
+    manifest = reader.manifest
+    target_dir = resolve_target(cfg, manifest)
+    facts = read_target_facts(target_dir)
+    check_compatible(manifest, facts=facts, tokenizer_sha256=tokenizer_digest(target_dir),
+                     weights=weight_digests(target_dir), taps=cfg.target_layer_ids, preset_target=preset_target,
+                     preset_name=cfg.preset, allow_mixed_provenance=cfg.allow_mixed_provenance,
+                     warn=warn if rank == 0 else (lambda *_: None))
+    taps = list(manifest["config"]["capture"]["target_layer_ids"])
+    config = drafter_config(cfg, facts, target_dir, taps)
     embed, head = frozen_target_modules(target_dir)
     torch.manual_seed(cfg.seed)
-    return DFlashDrafter(config, embed=embed, lm_head=head)
-
-
-def sequence_blocks(drafter: DFlashDrafter, sample: dict, cfg: TrainConfig, gamma: float, generator):
-    """(logits [A, B, V], labels [A, B], weights [A, B]) for one sequence, or None without anchors."""
-    n = min(len(sample["input_ids"]), cfg.max_length)
-    ids = torch.from_numpy(sample["input_ids"][:n].astype("int64"))
-    mask = torch.from_numpy(sample["loss_mask"][:n].astype("int64"))
-    argmax = torch.from_numpy(sample["target_argmax"][:n].astype("int64"))
-    anchors = sample_anchors(mask, cfg.num_anchors, generator)
-    if len(anchors) == 0:
-        return None
-    block_ids, pos, allowed = block_inputs(ids, anchors, cfg.block_size, drafter.config.mask_token_id)
-    logits = drafter(sample["hidden"][:n].float()[None], block_ids[None], pos[None], allowed[None])
-    labels, weights = block_targets(argmax, mask, anchors, cfg.block_size, gamma)
-    return logits.view(len(anchors), cfg.block_size, -1), labels, weights
-
-
-def run_train(cfg: TrainConfig, *, log=print) -> dict:
-    reader = CacheReader(cfg.cache)
-    recorded = reader.manifest.get("sources", {}).get("target")
-    target_dir = Path(cfg.target or recorded or "")
-    if not (target_dir / "config.json").is_file():
-        raise PipelineError(f"{target_dir}: target directory not found (pass target=...)")
-    drafter = build_drafter(cfg, reader, target_dir)
-    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    samples_per_epoch = sum(reader.manifest["shards"][s]["samples"] for s in reader.shards)
-    total_steps = cfg.max_steps or math.ceil(samples_per_epoch / cfg.batch_sequences) * cfg.num_epochs
-
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    plan = make_plan(cfg, sum(manifest["shards"][s]["samples"] for s in reader.shards), world)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = open(out / "train_log.jsonl", "w", encoding="utf-8")
-    start, step, tokens, last = time.perf_counter(), 0, 0, {}
-    drafter.train()
+    identity = cache_identity(manifest)
+
+    step, epoch, position, elapsed0, tokens0 = 0, 0, 0, 0.0, 0
+    found = list_checkpoints(out)
+    if found and not resume:
+        raise PipelineError(f"{out}: has checkpoints up to {found[-1].name}; resume (the default) or choose a new --out")
+    if found:
+        state = read_state(found[-1])
+        _check_resumable(found[-1], state, cfg, identity)
+        state = load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer, device=device)
+        step, epoch, position = state["step"], state["epoch"], state["position"]
+        elapsed0, tokens0 = state.get("elapsed_s", 0.0), state.get("tokens_seen", 0)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _trim_log(out / "train_log.jsonl", step)
+        write_json_atomic(out / "run.json", {
+            "config": asdict(cfg), "target": str(target_dir), "cache": str(Path(cfg.cache).resolve()),
+            "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
+            "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
+            "resumed_from_step": step})
+
+    trainer = _Trainer(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))
+    model = drafter
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+    trainer.model = model
+
+    log_file = open(out / "train_log.jsonl", "a", encoding="utf-8") if rank == 0 else None
+    t_start, interval = time.perf_counter(), _Interval()
+    last: dict = {}
+    if view:
+        view.start(total=plan.total_steps, done=step)
     try:
-        for epoch in range(cfg.num_epochs):
-            stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=epoch))
-            batch = []
-            for _, sample in stream.epoch():
-                batch.append(sample)
-                if len(batch) < cfg.batch_sequences:
-                    continue
-                last = _step(drafter, opt, batch, cfg, gamma, epoch, step, lr_at(step), params)
-                tokens += sum(min(len(s["input_ids"]), cfg.max_length) for s in batch)
-                batch = []
-                if last and (step % cfg.log_every == 0 or step + 1 == total_steps):
-                    elapsed = time.perf_counter() - start
-                    last.update(step=step, epoch=epoch, tok_per_sec=tokens / elapsed, elapsed_s=elapsed, noise_std=0.0)
-                    log_file.write(json.dumps(last) + "\n")
-                    log_file.flush()
-                    log(f"step {step} loss {last['loss']:.4f} acc {last['accuracy']:.3f} streak {last['avg_streak']:.2f}")
-                step += 1
-                if step >= total_steps:
-                    break
-            if step >= total_steps:
-                break
+        while step < plan.total_steps:
+            stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=epoch, position=position), rank=rank,
+                                  world_size=world, prefetch=cfg.prefetch,
+                                  fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if cfg.loss == "kl" else ()),
+                                  transform=trainer.preparer(epoch))
+            items = stream.epoch()
+            try:
+                while step < plan.total_steps and position + cfg.batch_sequences <= plan.samples_per_epoch:
+                    wait0 = time.perf_counter()
+                    batch = [next(items)[1] for _ in range(plan.per_rank)]
+                    interval.data_wait += time.perf_counter() - wait0
+                    logging = (step + 1) % cfg.log_every == 0 or step == 0 or step + 1 == plan.total_steps
+                    result = trainer.step(batch, step, with_metrics=logging)
+                    step, position = step + 1, position + cfg.batch_sequences
+                    interval.tokens += result["tokens"]
+                    if logging:
+                        last = _log_record(result, trainer, interval, step=step, epoch=epoch, position=position,
+                                           plan=plan, elapsed=elapsed0 + time.perf_counter() - t_start)
+                        if log_file:
+                            log_file.write(json.dumps(last) + "\n")
+                            log_file.flush()
+                        interval = _Interval()
+                    if view:
+                        view.update(step, last if logging else None)
+                    if step % cfg.checkpoint_every == 0 or step == plan.total_steps:
+                        tokens0 += trainer.take_tokens()
+                        _checkpoint(out, cfg, drafter, optimizer, step=step, epoch=epoch, position=position,
+                                    identity=identity, elapsed=elapsed0 + time.perf_counter() - t_start,
+                                    tokens=tokens0, rank=rank, world=world)
+            finally:
+                items.close()
+            if position + cfg.batch_sequences > plan.samples_per_epoch:
+                epoch, position = epoch + 1, 0
     finally:
-        log_file.close()
-    drafter.eval()
-    export_drafter(drafter, out / "drafter")
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    return {"steps": step, "last": last, "out": str(out)}
+        if log_file:
+            log_file.close()
+        if view:
+            view.stop()
+    if not last:
+        last = _last_logged(out / "train_log.jsonl")
+    if rank == 0:
+        drafter.eval()
+        export_drafter(drafter, out / "drafter")
+    if world > 1:
+        dist.barrier()
+    return {"steps": step, "total_steps": plan.total_steps, "epochs": round(step / plan.steps_per_epoch, 3),
+            "last": last, "out": str(out), "drafter": str(out / "drafter"), "world_size": world,
+            "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
+            "wall_s": round(time.perf_counter() - t_start, 2), "resumed": bool(found)}
 
 
-def _step(drafter, opt, batch, cfg, gamma, epoch, step, lr, params) -> dict:
-    pieces = []
-    for sample in batch:
-        g = torch.Generator().manual_seed(hash((cfg.seed, epoch, int(sample["sample_id"]))) & 0x7FFFFFFF)
-        got = sequence_blocks(drafter, sample, cfg, gamma, g)
-        if got is not None:
-            pieces.append(got)
-    if not pieces:
+@dataclass
+class _Interval:
+    tokens: int = 0
+    data_wait: float = 0.0
+    t0: float = 0.0
+
+    def __post_init__(self):
+        self.t0 = time.perf_counter()
+
+
+class _Trainer:
+    """One optimizer step over a rank's share of the global batch, in micro-batches."""
+
+    def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma):
+        self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
+        self.device, self.rank, self.world, self.gamma = device, rank, world, gamma
+        self.model = drafter
+        self.autocast = autocast_dtype(cfg, device)
+        self._tokens = 0
+
+    def preparer(self, epoch: int):
+        cfg, config = self.cfg, self.drafter.config
+
+        def transform(position, sample):
+            return sample["sample_id"], prepare(
+                sample, block_size=cfg.block_size, num_anchors=cfg.num_anchors, max_length=cfg.max_length,
+                mask_token_id=config.mask_token_id, gamma=self.gamma, soft=cfg.loss == "kl",
+                generator=anchor_generator(cfg.seed, epoch, int(sample["sample_id"])))
+        return transform
+
+    def noise_std(self, step: int) -> float:
+        if self.cfg.noise_schedule == "linear":
+            return self.cfg.noise_std * (1.0 - step / max(1, self.plan.total_steps))
+        return self.cfg.noise_std
+
+    def lr(self, step: int) -> float:
+        return warmup_cosine(step, peak=self.cfg.lr, warmup=self.plan.warmup_steps, total=self.plan.total_steps,
+                             floor=self.cfg.min_lr_ratio)
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _placeholder(self):
+        capture_k = 8 if self.cfg.loss == "kl" else None
+        return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k)
+
+    def take_tokens(self) -> int:
+        tokens, self._tokens = self._tokens, 0
+        return tokens
+
+    def step(self, batch: list, step: int, *, with_metrics: bool) -> dict:
+        items = [(sid, seq) for sid, seq in batch if seq is not None]
+        std = self.noise_std(step)
+        if std > 0:
+            for sid, seq in items:
+                seq.taps = seq.taps + std * torch.randn(seq.taps.shape, generator=noise_generator(self.cfg.seed, step, sid))
+        tokens = sum(seq.num_tokens for _, seq in items)
+        local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
+        global_w = float(all_sum(local_w.clone(), self.world))
+        if global_w == 0:
+            raise PipelineError(f"step {step}: no supervised slot in the whole global batch (check the cache's loss masks)")
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = [items[i:i + self.plan.micro] for i in range(0, len(items), self.plan.micro)] or [[]]
+        total_loss = torch.zeros((), dtype=torch.float64)
+        sums = None
+        for i, chunk in enumerate(micro):
+            sync = i == len(micro) - 1
+            ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            seqs = [seq for _, seq in chunk] or [self._placeholder()]
+            with ctx:
+                packed = pack(seqs, self.cfg.block_size).to(self.device)
+                with self._autocast():
+                    logits = forward_logits(self.model, packed)
+                part = loss_sum(logits, packed, self.cfg.loss)
+                (part * (self.world / global_w)).backward()
+                total_loss += float(part.detach())
+                if with_metrics:
+                    sums = add_sums(sums, {k: v.cpu() for k, v in metric_sums(
+                        logits.detach(), packed.labels, packed.weights, packed.real_blocks).items()})
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            ids = ", ".join(str(sid) for sid, _ in items[:8])
+            raise PipelineError(f"step {step}: non-finite gradient norm ({float(grad_norm)}); samples on rank "
+                                f"{self.rank}: {ids}. Lower lr, or check these samples with `pipeline verify-cache`")
+        self.optimizer.step()
+        self._tokens += tokens
+        result = {"tokens": tokens, "grad_norm": float(grad_norm), "lr": self.lr(step), "noise_std": std,
+                  "local_loss": float(total_loss), "global_w": global_w}
+        if with_metrics:
+            if sums is None:
+                sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
+            flat = torch.cat([v.reshape(-1).double() for v in sums.values()] + [total_loss.reshape(1)])
+            flat = all_sum(flat, self.world)
+            out, i = {}, 0
+            for k, v in sums.items():
+                out[k] = flat[i:i + v.numel()].reshape(v.shape)
+                i += v.numel()
+            result["loss"] = float(flat[-1]) / global_w
+            result["metrics"] = finish_metrics(out)
+        return result
+
+
+def _empty_sums(block_size: int) -> dict:
+    z = torch.zeros((), dtype=torch.float64)
+    return {"supervised": z, "top1": z, "top4": z, "top8": z, "blocks": z, "streak1": z, "streak4": z, "streak8": z,
+            "slot_hits": torch.zeros(block_size, dtype=torch.float64),
+            "slot_count": torch.zeros(block_size, dtype=torch.float64)}
+
+
+def _log_record(result: dict, trainer: _Trainer, interval: _Interval, *, step, epoch, position, plan, elapsed) -> dict:
+    seconds = max(time.perf_counter() - interval.t0, 1e-9)
+    tokens = float(all_sum(torch.tensor(float(interval.tokens), dtype=torch.float64), trainer.world))
+    m = result["metrics"]
+    return {
+        "step": step, "epoch": epoch, "loss": result["loss"], "accuracy": m["accuracy"], "top4_acc": m["top4_acc"],
+        "top8_acc": m["top8_acc"], "avg_streak": m["avg_streak"], "ddtree_streak4": m["ddtree_streak4"],
+        "ddtree_streak8": m["ddtree_streak8"], "pos_acc": m["pos_acc"], "lr": result["lr"],
+        "grad_norm": result["grad_norm"], "noise_std": result["noise_std"], "tok_per_sec": tokens / seconds,
+        "elapsed_s": elapsed,
+        # Beyond DESIGN 4: where in the data, and how long this rank waited for it.
+        "epoch_progress": epoch + position / plan.samples_per_epoch, "steps_per_epoch": plan.steps_per_epoch,
+        "supervised_slots": m["supervised_slots"], "data_wait_frac": interval.data_wait / seconds,
+    }
+
+
+def _checkpoint(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world):
+    # The position is normalised to the start of the next epoch when this one is used up.
+    if rank == 0:
+        save_checkpoint(out, step=step, drafter=drafter, optimizer=optimizer, keep=cfg.keep_checkpoints,
+                        state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
+                               "world_size": world, "config": asdict(cfg), "cache": identity})
+    if world > 1:
+        dist.barrier()
+
+
+def _check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -> None:
+    saved = state["config"]
+    now = asdict(cfg)
+    changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise PipelineError(f"{path}: cannot resume, the run's config changed ({detail}); "
+                            "use the same options or a new --out")
+    if state.get("cache") != identity:
+        raise PipelineError(f"{path}: cannot resume, the cache differs from the one this run trained on "
+                            "(taps, data or shard digests changed)")
+
+
+def _last_logged(path: Path) -> dict:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return json.loads(lines[-1]) if lines else {}
+    except (OSError, json.JSONDecodeError):
         return {}
-    logits = torch.cat([p[0] for p in pieces])
-    labels = torch.cat([p[1] for p in pieces])
-    weights = torch.cat([p[2] for p in pieces])
-    loss = weighted_ce(logits, labels, weights)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    opt.step()
-    metrics = block_metrics(logits.detach(), labels, weights)
-    return {"loss": float(loss.detach()), **metrics, "lr": lr, "grad_norm": float(grad_norm)}
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Keep the log lines up to `step` (the checkpoint resumed from): the resumed run re-logs the rest."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", math.inf) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            break  # a torn last line from a killed run
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    os.replace(tmp, path)

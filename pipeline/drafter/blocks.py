@@ -72,3 +72,24 @@ def weighted_ce(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: t
     ce = torch.nn.functional.cross_entropy(logits_ABV.flatten(0, 1).float(), labels_AB.flatten(), reduction="none")
     total = weights_AB.sum()
     return (ce * weights_AB.flatten()).sum() / total.clamp_min(1e-12)
+
+
+def block_soft_targets(topk_ids_TK, topk_logits_TK, logsumexp_T, anchors_A, block_size: int):
+    """(ids [A, B, K], probs [A, B, K]): the target's top-k distribution for each slot's position.
+
+    Slot k takes the top-k stored at position a+k-1 (the same alignment as the hard label).
+    Stored logits minus the stored full-vocab logsumexp give exact probabilities; they are
+    renormalised over the top-k, so the soft target is a distribution.
+    """
+    t = topk_ids_TK.shape[0]
+    source = (anchors_A[:, None] + torch.arange(block_size)[None] - 1).clamp(0, t - 1)
+    logp = topk_logits_TK[source].float() - logsumexp_T[source].float()[..., None]
+    return topk_ids_TK[source].long(), torch.softmax(logp, dim=-1)
+
+
+def weighted_soft_kl(logits_ABV, soft_ids_ABK, soft_probs_ABK, weights_AB) -> torch.Tensor:
+    """sum(KL(p || q) * w) / sum(w), p the renormalised target top-k, q the drafter's softmax."""
+    logq = torch.log_softmax(logits_ABV.float(), dim=-1).gather(-1, soft_ids_ABK)
+    p = soft_probs_ABK
+    kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
+    return (kl * weights_AB).sum() / weights_AB.sum().clamp_min(1e-12)

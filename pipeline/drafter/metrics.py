@@ -4,6 +4,9 @@ accuracy (top-1 == label), top4_acc / top8_acc (label in the drafter's top-K), a
 block, how many leading slots 1, 2, ... are all top-1 correct; tau = avg_streak + 1),
 ddtree_streak4 / ddtree_streak8 (leading slots whose label is inside the top-K), pos_acc (per
 slot accuracy, slot 1..B-1). A streak stops at the first unsupervised slot.
+
+Metrics are kept as sums (`metric_sums`) so micro-batches and data-parallel ranks add up exactly
+before `finish_metrics` divides once; averaging per-rank means would weight ranks wrongly.
 """
 
 from __future__ import annotations
@@ -17,20 +20,45 @@ def _streak(ok_AB: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def block_metrics(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: torch.Tensor) -> dict:
+def metric_sums(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: torch.Tensor,
+                blocks_A: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Sums behind every metric. `blocks_A` marks real blocks (False for padding rows)."""
     supervised = weights_AB > 0
-    ranked = logits_ABV.topk(8, dim=-1).indices                           # [A, B, 8]
+    real = torch.ones(len(labels_AB), dtype=torch.bool, device=labels_AB.device) if blocks_A is None else blocks_A
+    ranked = logits_ABV.topk(min(8, logits_ABV.shape[-1]), dim=-1).indices
     hit = ranked == labels_AB[..., None]
     top1, top4, top8 = hit[..., 0] & supervised, hit[..., :4].any(-1) & supervised, hit.any(-1) & supervised
-    count = supervised.sum().clamp_min(1).float()
-    per_slot = supervised.sum(0).clamp_min(1).float()
+    f = torch.float64
     return {
-        "accuracy": float(top1.sum() / count),
-        "top4_acc": float(top4.sum() / count),
-        "top8_acc": float(top8.sum() / count),
-        "avg_streak": float(_streak(top1).mean()) if len(top1) else 0.0,
-        "ddtree_streak4": float(_streak(top4).mean()) if len(top4) else 0.0,
-        "ddtree_streak8": float(_streak(top8).mean()) if len(top8) else 0.0,
-        "pos_acc": [float(x) for x in (top1.sum(0).float() / per_slot)[1:]],
-        "supervised_slots": int(supervised.sum()),
+        "supervised": supervised.sum().to(f),
+        "top1": top1.sum().to(f), "top4": top4.sum().to(f), "top8": top8.sum().to(f),
+        "blocks": real.sum().to(f),
+        "streak1": (_streak(top1) * real).sum().to(f),
+        "streak4": (_streak(top4) * real).sum().to(f),
+        "streak8": (_streak(top8) * real).sum().to(f),
+        "slot_hits": top1.sum(0).to(f), "slot_count": supervised.sum(0).to(f),
     }
+
+
+def add_sums(total: dict | None, more: dict) -> dict:
+    return dict(more) if total is None else {k: total[k] + more[k] for k in total}
+
+
+def finish_metrics(sums: dict[str, torch.Tensor]) -> dict:
+    count = float(sums["supervised"].clamp_min(1))
+    blocks = float(sums["blocks"].clamp_min(1))
+    per_slot = sums["slot_hits"] / sums["slot_count"].clamp_min(1)
+    return {
+        "accuracy": float(sums["top1"]) / count,
+        "top4_acc": float(sums["top4"]) / count,
+        "top8_acc": float(sums["top8"]) / count,
+        "avg_streak": float(sums["streak1"]) / blocks,
+        "ddtree_streak4": float(sums["streak4"]) / blocks,
+        "ddtree_streak8": float(sums["streak8"]) / blocks,
+        "pos_acc": [float(x) for x in per_slot[1:]],
+        "supervised_slots": int(sums["supervised"]),
+    }
+
+
+def block_metrics(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: torch.Tensor) -> dict:
+    return finish_metrics(metric_sums(logits_ABV, labels_AB, weights_AB))

@@ -124,6 +124,13 @@ class DFlashDrafter(nn.Module):
         self._frozen = {"embed": embed.requires_grad_(False), "lm_head": lm_head.requires_grad_(False)}
         self.reset_parameters()
 
+    def _apply(self, fn, recurse=True):
+        # .to(device) / .float() must move the frozen shared modules too.
+        super()._apply(fn, recurse)
+        for module in self._frozen.values():
+            module._apply(fn, recurse)
+        return self
+
     def reset_parameters(self) -> None:
         for module in self.modules():
             if isinstance(module, nn.Linear):

@@ -49,11 +49,15 @@ class SampleStream:
     """Decoded samples in epoch order for one rank, read ahead on a thread (bounded queue)."""
 
     FIELDS = ("input_ids", "loss_mask", "target_argmax")
+    SOFT_FIELDS = ("target_topk_ids", "target_topk_logits", "target_logsumexp")
 
     def __init__(self, reader: CacheReader, *, seed: int, state: StreamState, rank: int = 0, world_size: int = 1,
-                 prefetch: int = 8):
+                 prefetch: int = 8, fields: tuple[str, ...] = FIELDS, transform=None):
+        """`transform(position, sample)` runs on the reading thread too (CPU preparation off the
+        training loop); what it returns is what the stream yields."""
         self.reader, self.seed, self.state = reader, seed, state
         self.rank, self.world_size, self.prefetch = rank, world_size, prefetch
+        self.fields, self.transform = fields, transform
         self.sizes = {name: reader.manifest["shards"][name]["samples"] for name in reader.shards}
 
     def epoch(self):
@@ -72,10 +76,10 @@ class SampleStream:
                     name, row = order[pos]
                     shard = shards.get(name) or shards.setdefault(name, self.reader.shard(name))
                     sid = int(shard.sample_ids[row])
-                    sample = {k: shard.read(k, sid) for k in self.FIELDS}
+                    sample = {k: shard.read(k, sid) for k in self.fields}
                     sample["hidden"] = shard.hidden(sid)
                     sample["sample_id"] = sid
-                    q.put((pos, sample))
+                    q.put((pos, self.transform(pos, sample) if self.transform else sample))
                 q.put(None)
             except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
                 q.put(e)

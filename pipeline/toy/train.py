@@ -9,7 +9,6 @@ Cost on 2 CPU cores: about 0.6 s per step of 32 conversations (about 2,000 token
 
 from __future__ import annotations
 
-import math
 import random
 import time
 
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data.loss_mask import Tokenized, tokenize_conversation
+from pipeline.schedule import warmup_cosine
 from pipeline.toy import tasks
 from pipeline.toy.chat import IM_END
 
@@ -53,10 +53,7 @@ def train(model, tokenizer, *, seed: int, num_steps: int, batch_size: int = 32, 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, num_steps - warmup)
-        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return warmup_cosine(step, peak=lr, warmup=warmup, total=num_steps, floor=0.05)
 
     model.train()
     start = time.perf_counter()

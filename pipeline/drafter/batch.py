@@ -1,0 +1,155 @@
+"""From decoded cache samples to one padded drafter forward, and its loss.
+
+`prepare` turns one sample into blocks (anchors resampled from (seed, epoch, sample id), so the
+choice is the same whatever the world size or resume point); `pack` lays several sequences side
+by side, padded, so a micro-batch is one forward: padded context columns are never visible,
+padded query rows see only themselves (no NaN from an all-False row) and carry weight 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.drafter.blocks import (
+    block_inputs,
+    block_soft_targets,
+    block_targets,
+    sample_anchors,
+    weighted_ce,
+    weighted_soft_kl,
+)
+
+
+@dataclass
+class SequenceBlocks:
+    taps: torch.Tensor          # [T, n, H] float32
+    block_ids: torch.Tensor     # [A*B]
+    block_pos: torch.Tensor     # [A*B]
+    allowed: torch.Tensor       # [A*B, T + A*B]
+    labels: torch.Tensor        # [A, B]
+    weights: torch.Tensor       # [A, B]
+    soft_ids: torch.Tensor | None = None    # [A, B, K]
+    soft_probs: torch.Tensor | None = None  # [A, B, K]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.taps.shape[0]
+
+
+@dataclass
+class PackedBatch:
+    taps: torch.Tensor          # [S, T, n, H]
+    block_ids: torch.Tensor     # [S, Q]
+    block_pos: torch.Tensor     # [S, Q]
+    allowed: torch.Tensor       # [S, Q, T + Q]
+    labels: torch.Tensor        # [S*A, B]
+    weights: torch.Tensor       # [S*A, B]
+    real_blocks: torch.Tensor   # [S*A] bool
+    soft_ids: torch.Tensor | None = None
+    soft_probs: torch.Tensor | None = None
+
+    def to(self, device) -> PackedBatch:
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return PackedBatch(**moved)
+
+
+def anchor_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 2_147_483_647 + sample_id) % 2**63)
+
+
+def noise_generator(seed: int, step: int, sample_id: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 999_983 + step) * 2_147_483_629 + sample_id + 0x5EED) % 2**63)
+
+
+def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int, mask_token_id: int, gamma: float,
+            generator: torch.Generator, soft: bool = False, noise_std: float = 0.0,
+            noise: torch.Generator | None = None) -> SequenceBlocks | None:
+    """Blocks for one sample (None if it has no valid anchor). Noise, when asked, is added to the
+    input context features only (DESIGN 3.6): labels come from the stored target outputs."""
+    n = min(len(sample["input_ids"]), max_length)
+    ids = torch.from_numpy(np.asarray(sample["input_ids"][:n], dtype=np.int64))
+    mask = torch.from_numpy(np.asarray(sample["loss_mask"][:n], dtype=np.int64))
+    anchors = sample_anchors(mask, num_anchors, generator)
+    if len(anchors) == 0:
+        return None
+    hidden = sample["hidden"][:n]
+    taps = (hidden if isinstance(hidden, torch.Tensor) else torch.from_numpy(np.asarray(hidden))).float()
+    if noise_std > 0:
+        taps = taps + noise_std * torch.randn(taps.shape, generator=noise)
+    argmax = torch.from_numpy(np.asarray(sample["target_argmax"][:n], dtype=np.int64))
+    block_ids, pos, allowed = block_inputs(ids, anchors, block_size, mask_token_id)
+    labels, weights = block_targets(argmax, mask, anchors, block_size, gamma)
+    out = SequenceBlocks(taps, block_ids, pos, allowed, labels, weights)
+    if soft:
+        out.soft_ids, out.soft_probs = block_soft_targets(
+            torch.from_numpy(np.asarray(sample["target_topk_ids"][:n], dtype=np.int64)),
+            torch.from_numpy(np.asarray(sample["target_topk_logits"][:n], dtype=np.float32)),
+            torch.from_numpy(np.asarray(sample["target_logsumexp"][:n], dtype=np.float32)), anchors, block_size)
+    return out
+
+
+def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
+    s = len(items)
+    t = max(x.num_tokens for x in items)
+    a = max(x.labels.shape[0] for x in items)
+    q = a * block_size
+    n_taps, hidden = items[0].taps.shape[1:]
+    taps = torch.zeros(s, t, n_taps, hidden)
+    block_ids = torch.zeros(s, q, dtype=torch.long)
+    block_pos = torch.zeros(s, q, dtype=torch.long)
+    allowed = torch.zeros(s, q, t + q, dtype=torch.bool)
+    allowed[:, torch.arange(q), t + torch.arange(q)] = True      # padded queries see themselves only
+    labels = torch.zeros(s, a, block_size, dtype=torch.long)
+    weights = torch.zeros(s, a, block_size)
+    real = torch.zeros(s, a, dtype=torch.bool)
+    soft = items[0].soft_ids is not None
+    if soft:
+        k = items[0].soft_ids.shape[-1]
+        soft_ids = torch.zeros(s, a, block_size, k, dtype=torch.long)
+        soft_probs = torch.zeros(s, a, block_size, k)
+    for i, x in enumerate(items):
+        ti, ai = x.num_tokens, x.labels.shape[0]
+        qi = ai * block_size
+        taps[i, :ti] = x.taps
+        block_ids[i, :qi], block_pos[i, :qi] = x.block_ids, x.block_pos
+        allowed[i, :qi] = False
+        allowed[i, :qi, :ti] = x.allowed[:, :ti]
+        allowed[i, :qi, t:t + qi] = x.allowed[:, ti:]
+        labels[i, :ai], weights[i, :ai], real[i, :ai] = x.labels, x.weights, True
+        if soft:
+            soft_ids[i, :ai], soft_probs[i, :ai] = x.soft_ids, x.soft_probs
+    return PackedBatch(taps, block_ids, block_pos, allowed, labels.view(s * a, block_size),
+                       weights.view(s * a, block_size), real.view(-1),
+                       soft_ids.view(s * a, block_size, -1) if soft else None,
+                       soft_probs.view(s * a, block_size, -1) if soft else None)
+
+
+def forward_logits(drafter, batch: PackedBatch) -> torch.Tensor:
+    """Logits [S*A, B, V] for a packed batch (one forward for all its sequences and anchors)."""
+    logits = drafter(batch.taps, batch.block_ids, batch.block_pos, batch.allowed)
+    return logits.view(batch.labels.shape[0], batch.labels.shape[1], -1)
+
+
+def loss_sum(logits, batch: PackedBatch, kind: str) -> torch.Tensor:
+    """sum over slots of loss * w (divide by the global sum of w to get DESIGN 3.4's loss)."""
+    total = batch.weights.sum()
+    if kind == "kl":
+        return weighted_soft_kl(logits, batch.soft_ids, batch.soft_probs, batch.weights) * total
+    return weighted_ce(logits, batch.labels, batch.weights) * total
+
+
+def placeholder(config, n_taps: int, soft_k: int | None = None) -> SequenceBlocks:
+    """One all-zero-weight block: a rank whose share of a step has no anchor still runs a forward
+    and backward, so data-parallel gradient reduction stays in lockstep."""
+    b = config.block_size
+    ids = torch.full((b,), config.mask_token_id, dtype=torch.long)
+    allowed = torch.cat([torch.zeros(b, 1, dtype=torch.bool), torch.ones(b, b, dtype=torch.bool)], dim=1)
+    out = SequenceBlocks(torch.zeros(1, n_taps, config.hidden_size), ids, torch.arange(b), allowed,
+                         torch.zeros(1, b, dtype=torch.long), torch.zeros(1, b))
+    if soft_k:
+        out.soft_ids = torch.zeros(1, b, soft_k, dtype=torch.long)
+        out.soft_probs = torch.full((1, b, soft_k), 1.0 / soft_k)
+    return out

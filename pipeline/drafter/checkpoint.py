@@ -1,0 +1,101 @@
+"""Training checkpoints: the drafter (DESIGN 8 export), optimizer, RNG and data position.
+
+Layout: RUN/checkpoints/step-00000500/{drafter/, optimizer.pt, rng.pt, trainer_state.json}.
+A checkpoint is written under a hidden temporary name, fsynced, then renamed: a directory named
+`step-N` is complete by construction, so a crash mid-write leaves only a temporary that resume
+ignores and the next save removes. Loading unpickles nothing: JSON, safetensors, and
+`torch.load(weights_only=True)` for the optimizer and RNG tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.cache.files import fsync_dir, fsync_tree
+from pipeline.drafter.export import export_drafter, read_config
+from pipeline.errors import PipelineError
+
+STATE_VERSION = 1
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_dir(run: Path) -> Path:
+    return run / "checkpoints"
+
+
+def save_checkpoint(run: Path, *, step: int, drafter, optimizer, state: dict, keep: int) -> Path:
+    root = checkpoint_dir(run)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step-*.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    export_drafter(drafter, tmp / "drafter")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"version": STATE_VERSION, "step": step, **state}, indent=2) + "\n")
+    fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    for old in list_checkpoints(run)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporaries are never listed)."""
+    root = checkpoint_dir(run)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def read_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PipelineError(f"{path}/trainer_state.json: unreadable ({e})") from None
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise PipelineError(f"{path}/trainer_state.json: unknown trainer state version {state.get('version')!r} "
+                            f"(this tool reads version {STATE_VERSION})")
+    for key in ("step", "epoch", "position", "config"):
+        if key not in state:
+            raise PipelineError(f"{path}/trainer_state.json: missing field {key!r}")
+    return state
+
+
+def load_checkpoint(path: Path, *, drafter, optimizer, device) -> dict:
+    """Restore drafter, optimizer and RNG in place; return the trainer state."""
+    from safetensors.torch import load_file
+
+    state = read_state(path)
+    saved = read_config(path / "drafter")
+    if saved != drafter.config:
+        raise PipelineError(f"{path}/drafter/config.json: the checkpoint's drafter does not match this run's config")
+    weights = load_file(str(path / "drafter" / "model.safetensors"))
+    expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    if {k: tuple(v.shape) for k, v in weights.items()} != expected:
+        raise PipelineError(f"{path}/drafter/model.safetensors: names or shapes differ from this run's drafter")
+    drafter.load_state_dict(weights)
+    try:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+        rng = torch.load(path / "rng.pt", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable or unsafe file is a clear user error
+        raise PipelineError(f"{path}: optimizer or RNG state unreadable ({type(e).__name__}: {e})") from None
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return state
