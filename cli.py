@@ -134,7 +134,7 @@ def train(
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
     import os
 
-    from pipeline.ui import TrainView, err_console
+    from pipeline.ui import TrainView, warning
     from stages.train import resolve_config, run_train
 
     if config is None and Path("train.toml").is_file():
@@ -148,7 +148,7 @@ def train(
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     summary = run_train(cfg, preset_target=preset_target, resume=resume, view=TrainView(rank0 and not json_out),
-                        warn=lambda message: err_console.print(f"[yellow]warning:[/] {message}", highlight=False))
+                        warn=warning)
     if not rank0:
         return
     _show_train(summary, json_out)

@@ -29,8 +29,15 @@ def key_value_table(title: str, rows: list[tuple[str, object]]) -> Table:
     return table
 
 
+def warning(message: str) -> None:
+    from rich.markup import escape
+    err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
+
 def error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+    # Messages quote user text ("[train]", paths with brackets): never read it as markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
 
 
 class ProgressBar:

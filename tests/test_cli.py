@@ -35,12 +35,19 @@ def test_stage_options_are_documented(command, options):
         assert option in result.output, f"{command} --help lacks {option}"
 
 
-@pytest.mark.parametrize("args", [["train", "--cache", "x"]])
-def test_unlanded_stages_refuse_with_exit_2(args):
-    result = invoke(*args)
-    assert result.exit_code == 2
-    assert "not implemented yet" in result.output
-    assert "issue" in result.output
+@pytest.mark.parametrize("args, message", [
+    (["--cache", "{tmp}/nope"], "{tmp}/nope: no manifest.json"),
+    (["--cache", "{tmp}", "--loss", "mse"], "loss must be 'ce' or 'kl', got 'mse'"),
+    (["--cache", "{tmp}", "--batch-sequences", "0"], "batch_sequences must be >= 1, got 0"),
+    (["--cache", "{tmp}", "--preset", "huge"], "unknown preset 'huge'; available: qwen3.6-27b, tiny"),
+    (["--config", "{tmp}/train.toml"], "{tmp}/train.toml: unknown key(s) learning_rate in [train]"),
+])
+def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
+    (tmp_path / "train.toml").write_text("[train]\nlearning_rate = 0.1\n")
+    result = invoke("train", *[a.format(tmp=tmp_path) for a in args])
+    assert result.exit_code == 1, result.output
+    assert message.format(tmp=tmp_path) in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_demo_summarises_the_embedded_target():
