@@ -45,7 +45,7 @@ from pipeline.target import TargetFacts, read_target_facts
 # Options that may change between a checkpoint and its resume without changing the result
 # (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
 RESUMABLE_CHANGES = {"out", "cache", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
-                     "allow_mixed_provenance", "micro_batch_sequences"}
+                     "loader_workers", "allow_mixed_provenance", "micro_batch_sequences"}
 
 
 # --------------------------------------------------------------------------- configuration
@@ -253,7 +253,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
             "resumed_from_step": step})
 
-    trainer = _Trainer(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))
+    trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))
     model = drafter
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
@@ -269,7 +269,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=epoch, position=position), rank=rank,
                                   world_size=world, prefetch=cfg.prefetch,
                                   fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if cfg.loss == "kl" else ()),
-                                  transform=trainer.preparer(epoch))
+                                  transform=trainer.preparer(epoch), workers=cfg.loader_workers)
             items = stream.epoch()
             try:
                 while step < plan.total_steps and position + cfg.batch_sequences <= plan.samples_per_epoch:
@@ -326,7 +326,7 @@ class _Interval:
         self.t0 = time.perf_counter()
 
 
-class _Trainer:
+class StepRunner:
     """One optimizer step over a rank's share of the global batch, in micro-batches."""
 
     def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma):
@@ -429,7 +429,7 @@ def _empty_sums(block_size: int) -> dict:
             "slot_count": torch.zeros(block_size, dtype=torch.float64)}
 
 
-def _log_record(result: dict, trainer: _Trainer, interval: _Interval, *, step, epoch, position, plan, elapsed) -> dict:
+def _log_record(result: dict, trainer: StepRunner, interval: _Interval, *, step, epoch, position, plan, elapsed) -> dict:
     seconds = max(time.perf_counter() - interval.t0, 1e-9)
     tokens = float(all_sum(torch.tensor(float(interval.tokens), dtype=torch.float64), trainer.world))
     m = result["metrics"]

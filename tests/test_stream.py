@@ -1,11 +1,18 @@
 """Training order: a pure function of (shards, seed, epoch), independent of world size, resumable."""
 
 import pytest
-
 from extract_helpers import write_rows
+
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
-from pipeline.drafter.stream import SampleStream, StreamState, epoch_order, rank_positions
+from pipeline.drafter.stream import (
+    EpochOrder,
+    SampleStream,
+    StreamState,
+    epoch_order,
+    rank_positions,
+)
+from pipeline.errors import PipelineError
 from stages.extract import run_extract
 
 SIZES = {"shard-00000": 5, "shard-00001": 3, "shard-00002": 4}
@@ -17,6 +24,21 @@ def test_order_is_a_permutation_and_deterministic():
     assert order == epoch_order(dict(reversed(list(SIZES.items()))), seed=1, epoch=0)
     assert order != epoch_order(SIZES, seed=1, epoch=1)
     assert order != epoch_order(SIZES, seed=2, epoch=0)
+
+
+def test_order_of_a_huge_cache_is_lazy():
+    """10 million samples in 1,000 shards: the order costs one shard's permutation, not the epoch's."""
+    import tracemalloc
+    sizes = {f"shard-{i:05d}": 10_000 for i in range(1000)}
+    tracemalloc.start()
+    order = EpochOrder(sizes, seed=0, epoch=3)
+    seen = {order[p] for p in (0, 1, 5_000_000, 9_999_999)}
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(order) == 10_000_000 and len(seen) == 4
+    assert peak < 4 * 2**20, f"{peak / 2**20:.1f} MiB"
+    name, row = order[5_000_000]
+    assert name in sizes and 0 <= row < 10_000
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -53,6 +75,25 @@ def test_stream_reads_every_sample_once_and_resumes(cache):
     assert first["hidden"].shape[0] == len(first["input_ids"]) == len(first["target_argmax"])
     later = SampleStream(cache, seed=0, state=StreamState(position=5))
     assert [(p, s["sample_id"]) for p, s in later.epoch()] == [(p, s["sample_id"]) for p, s in items if p >= 5]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_loader_processes_keep_the_exact_order(cache, workers):
+    state = StreamState(epoch=2, position=1)
+    threaded = [(p, s["sample_id"]) for p, s in SampleStream(cache, seed=3, state=state, rank=1, world_size=2).epoch()]
+    processes = SampleStream(cache, seed=3, state=state, rank=1, world_size=2, workers=workers)
+    assert [(p, s["sample_id"]) for p, s in processes.epoch()] == threaded
+    it = processes.epoch()
+    next(it)
+    it.close()  # the loader processes shut down
+
+
+def test_a_loader_process_error_reaches_the_trainer_as_itself(cache):
+    def broken(position, sample):
+        raise PipelineError(f"sample {sample['sample_id']}: planted failure")
+    stream = SampleStream(cache, seed=0, state=StreamState(), workers=1, transform=broken)
+    with pytest.raises(PipelineError, match="planted failure"):
+        list(stream.epoch())
 
 
 def test_stream_can_be_abandoned_midway(cache):

@@ -7,6 +7,7 @@ chunks that overlap it. Chunk checksums (CRC32C) are verified by Zarr on every r
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,16 @@ from pipeline.errors import PipelineError
 
 
 class ShardReader:
-    def __init__(self, path: Path, hidden_format: str):
+    def __init__(self, path: Path, hidden_format: str, *, chunk_cache_bytes: int = 0):
+        """`chunk_cache_bytes` > 0 keeps that many bytes of decoded chunks (least recently used
+        dropped first): a shuffled pass over a shard whose samples are smaller than a chunk then
+        decodes (and CRC-checks) each chunk once instead of once per sample."""
         self.path = path
         self.hidden_format = hidden_format
+        self.cache_bytes = chunk_cache_bytes
+        self._chunks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._cached = 0
+        self._arrays: dict = {}
         try:
             self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
             self.offsets = self.group["offsets"][:]
@@ -50,14 +58,40 @@ class ShardReader:
     def read(self, name: str, sample_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         a, b = self.span(sample_id, start, stop)
         try:
-            return self.group[name][a:b]
+            return self._cached_range(name, a, b) if self.cache_bytes else self.array(name)[a:b]
         except Exception as e:  # noqa: BLE001
             raise PipelineError(f"{self.path}/{name}: read of sample {sample_id} failed ({type(e).__name__}: {e})") from None
+
+    def array(self, name: str):
+        """The opened Zarr array (opening one re-reads its metadata, so it is done once)."""
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
+
+    def _cached_range(self, name: str, a: int, b: int) -> np.ndarray:
+        array = self.array(name)
+        size = array.chunks[0]
+        parts = []
+        for c in range(a // size, (b - 1) // size + 1 if b > a else a // size):
+            key = (name, c)
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                chunk = array[c * size:min((c + 1) * size, array.shape[0])]
+                self._chunks[key] = chunk
+                self._cached += chunk.nbytes
+                while self._cached > self.cache_bytes and len(self._chunks) > 1:
+                    self._cached -= self._chunks.popitem(last=False)[1].nbytes
+            else:
+                self._chunks.move_to_end(key)
+            parts.append(chunk[max(a - c * size, 0):b - c * size])
+        if not parts:
+            return array[a:b]
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def read_range(self, name: str, a: int, b: int) -> np.ndarray:
         """Token (or sample) range [a, b) of one array, by global position inside the shard."""
         try:
-            return self.group[name][a:b]
+            return self.array(name)[a:b]
         except Exception as e:  # noqa: BLE001
             raise PipelineError(f"{self.path}/{name}[{a}:{b}]: read failed ({type(e).__name__}: {e})") from None
 
@@ -89,11 +123,11 @@ class CacheReader:
         self.hidden_format = capture["hidden_format"]
         self.shards = sorted(manifest["shards"], key=shard_index)
 
-    def shard(self, name_or_index: str | int) -> ShardReader:
+    def shard(self, name_or_index: str | int, *, chunk_cache_bytes: int = 0) -> ShardReader:
         name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
         if name not in self.manifest["shards"]:
             raise PipelineError(f"{self.dir}: {name} is not a committed shard")
-        return ShardReader(self.dir / name, self.hidden_format)
+        return ShardReader(self.dir / name, self.hidden_format, chunk_cache_bytes=chunk_cache_bytes)
 
     def find(self, sample_id: int) -> ShardReader:
         for name in self.shards:

@@ -2,8 +2,8 @@
 
 `prepare` turns one sample into blocks (anchors resampled from (seed, epoch, sample id), so the
 choice is the same whatever the world size or resume point); `pack` lays several sequences side
-by side, padded, so a micro-batch is one forward: padded context columns are never visible,
-padded query rows see only themselves (no NaN from an all-False row) and carry weight 0.
+by side, padded, so a micro-batch is one forward; the block-sparse mask is built from the
+anchors on the compute device (`block_mask`), never shipped. Padding carries weight 0.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from pipeline.drafter.blocks import (
-    block_inputs,
+    block_mask,
     block_soft_targets,
     block_targets,
+    block_tokens,
     sample_anchors,
     weighted_ce,
     weighted_soft_kl,
@@ -28,7 +29,7 @@ class SequenceBlocks:
     taps: torch.Tensor          # [T, n, H] float32
     block_ids: torch.Tensor     # [A*B]
     block_pos: torch.Tensor     # [A*B]
-    allowed: torch.Tensor       # [A*B, T + A*B]
+    anchors: torch.Tensor       # [A]
     labels: torch.Tensor        # [A, B]
     weights: torch.Tensor       # [A, B]
     soft_ids: torch.Tensor | None = None    # [A, B, K]
@@ -44,7 +45,7 @@ class PackedBatch:
     taps: torch.Tensor          # [S, T, n, H]
     block_ids: torch.Tensor     # [S, Q]
     block_pos: torch.Tensor     # [S, Q]
-    allowed: torch.Tensor       # [S, Q, T + Q]
+    anchors: torch.Tensor       # [S, A], 0 for padding blocks
     labels: torch.Tensor        # [S*A, B]
     weights: torch.Tensor       # [S*A, B]
     real_blocks: torch.Tensor   # [S*A] bool
@@ -80,9 +81,9 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
     if noise_std > 0:
         taps = taps + noise_std * torch.randn(taps.shape, generator=noise)
     argmax = torch.from_numpy(np.asarray(sample["target_argmax"][:n], dtype=np.int64))
-    block_ids, pos, allowed = block_inputs(ids, anchors, block_size, mask_token_id)
+    block_ids, pos = block_tokens(ids, anchors, block_size, mask_token_id)
     labels, weights = block_targets(argmax, mask, anchors, block_size, gamma)
-    out = SequenceBlocks(taps, block_ids, pos, allowed, labels, weights)
+    out = SequenceBlocks(taps, block_ids, pos, anchors, labels, weights)
     if soft:
         out.soft_ids, out.soft_probs = block_soft_targets(
             torch.from_numpy(np.asarray(sample["target_topk_ids"][:n], dtype=np.int64)),
@@ -100,8 +101,7 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
     taps = torch.zeros(s, t, n_taps, hidden)
     block_ids = torch.zeros(s, q, dtype=torch.long)
     block_pos = torch.zeros(s, q, dtype=torch.long)
-    allowed = torch.zeros(s, q, t + q, dtype=torch.bool)
-    allowed[:, torch.arange(q), t + torch.arange(q)] = True      # padded queries see themselves only
+    anchors = torch.zeros(s, a, dtype=torch.long)
     labels = torch.zeros(s, a, block_size, dtype=torch.long)
     weights = torch.zeros(s, a, block_size)
     real = torch.zeros(s, a, dtype=torch.bool)
@@ -115,13 +115,11 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
         qi = ai * block_size
         taps[i, :ti] = x.taps
         block_ids[i, :qi], block_pos[i, :qi] = x.block_ids, x.block_pos
-        allowed[i, :qi] = False
-        allowed[i, :qi, :ti] = x.allowed[:, :ti]
-        allowed[i, :qi, t:t + qi] = x.allowed[:, ti:]
+        anchors[i, :ai] = x.anchors
         labels[i, :ai], weights[i, :ai], real[i, :ai] = x.labels, x.weights, True
         if soft:
             soft_ids[i, :ai], soft_probs[i, :ai] = x.soft_ids, x.soft_probs
-    return PackedBatch(taps, block_ids, block_pos, allowed, labels.view(s * a, block_size),
+    return PackedBatch(taps, block_ids, block_pos, anchors, labels.view(s * a, block_size),
                        weights.view(s * a, block_size), real.view(-1),
                        soft_ids.view(s * a, block_size, -1) if soft else None,
                        soft_probs.view(s * a, block_size, -1) if soft else None)
@@ -129,7 +127,8 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
 
 def forward_logits(drafter, batch: PackedBatch) -> torch.Tensor:
     """Logits [S*A, B, V] for a packed batch (one forward for all its sequences and anchors)."""
-    logits = drafter(batch.taps, batch.block_ids, batch.block_pos, batch.allowed)
+    allowed = block_mask(batch.anchors, batch.taps.shape[1], batch.labels.shape[1])
+    logits = drafter(batch.taps, batch.block_ids, batch.block_pos, allowed)
     return logits.view(batch.labels.shape[0], batch.labels.shape[1], -1)
 
 
@@ -146,8 +145,7 @@ def placeholder(config, n_taps: int, soft_k: int | None = None) -> SequenceBlock
     and backward, so data-parallel gradient reduction stays in lockstep."""
     b = config.block_size
     ids = torch.full((b,), config.mask_token_id, dtype=torch.long)
-    allowed = torch.cat([torch.zeros(b, 1, dtype=torch.bool), torch.ones(b, b, dtype=torch.bool)], dim=1)
-    out = SequenceBlocks(torch.zeros(1, n_taps, config.hidden_size), ids, torch.arange(b), allowed,
+    out = SequenceBlocks(torch.zeros(1, n_taps, config.hidden_size), ids, torch.arange(b), torch.zeros(1, dtype=torch.long),
                          torch.zeros(1, b, dtype=torch.long), torch.zeros(1, b))
     if soft_k:
         out.soft_ids = torch.zeros(1, b, soft_k, dtype=torch.long)

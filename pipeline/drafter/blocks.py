@@ -27,17 +27,31 @@ def sample_anchors(loss_mask_T: torch.Tensor, num: int, generator: torch.Generat
     return valid[pick].sort().values
 
 
+def block_tokens(input_ids_T: torch.Tensor, anchors_A: torch.Tensor, block_size: int, mask_token_id: int):
+    """(block_ids [A*B], block_pos [A*B]): the anchor token then mask tokens, at positions a..a+B-1."""
+    slots = torch.arange(block_size)
+    block_pos = (anchors_A[:, None] + slots[None]).reshape(-1)
+    block_ids = torch.full((anchors_A.shape[0], block_size), mask_token_id, dtype=input_ids_T.dtype)
+    block_ids[:, 0] = input_ids_T[anchors_A]
+    return block_ids.reshape(-1), block_pos
+
+
 def block_inputs(input_ids_T: torch.Tensor, anchors_A: torch.Tensor, block_size: int, mask_token_id: int):
     """(block_ids [A*B], block_pos [A*B], allowed [A*B, T + A*B]) for one sequence."""
-    t, a, b = input_ids_T.shape[0], anchors_A.shape[0], block_size
-    slots = torch.arange(b)
-    block_pos = (anchors_A[:, None] + slots[None]).reshape(-1)
-    block_ids = torch.full((a, b), mask_token_id, dtype=input_ids_T.dtype)
-    block_ids[:, 0] = input_ids_T[anchors_A]
-    owner = torch.arange(a).repeat_interleave(b)                          # block of each query
-    sees_context = torch.arange(t)[None, :] < anchors_A[owner][:, None]   # ctx_pos < a, never <=
-    sees_block = owner[:, None] == owner[None, :]
-    return block_ids.reshape(-1), block_pos, torch.cat([sees_context, sees_block], dim=1)
+    block_ids, block_pos = block_tokens(input_ids_T, anchors_A, block_size, mask_token_id)
+    return block_ids, block_pos, block_mask(anchors_A[None], input_ids_T.shape[0], block_size)[0]
+
+
+def block_mask(anchors_SA: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """allowed [S, A*B, T + A*B]: block j of sequence s sees context positions < anchors[s, j]
+    (strictly: at inference the anchor has no target hidden state yet) and its own B slots,
+    never another block. Built where the anchors live (on the GPU in training), so the mask is
+    never shipped. A padding block (anchor 0) sees only itself: no all-False row, no NaN."""
+    s, a = anchors_SA.shape
+    owner = torch.arange(a * block_size, device=anchors_SA.device) // block_size
+    sees_context = torch.arange(context_len, device=anchors_SA.device)[None, None, :] < anchors_SA[:, owner][..., None]
+    sees_block = (owner[:, None] == owner[None, :]).expand(s, -1, -1)
+    return torch.cat([sees_context, sees_block], dim=-1)
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
