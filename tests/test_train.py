@@ -259,3 +259,11 @@ def test_resume_refuses_a_changed_config(cache, tmp_path):
         train(cache, tmp_path / "run", max_steps=2, lr=1e-3)
     fresh = cli("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "2", "--no-resume")
     assert fresh.returncode == 1 and "has checkpoints up to step-00000002" in fresh.stderr
+
+
+def test_bf16_autocast_trains_and_is_recorded(cache, tmp_path):
+    result = train(cache, tmp_path / "bf16", max_steps=12, warmup_steps=2, log_every=1, dtype="bfloat16")
+    assert result["autocast"] == "torch.bfloat16"
+    assert json.loads((tmp_path / "bf16" / "run.json").read_text())["autocast"] == "torch.bfloat16"
+    losses = [x["loss"] for x in read_log(tmp_path / "bf16")]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
