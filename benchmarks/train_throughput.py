@@ -121,9 +121,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per measurement")
     parser.add_argument("--loop-steps", type=int, default=2, help="steps for the (slow) per-anchor loop")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache
