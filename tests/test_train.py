@@ -248,9 +248,23 @@ def test_mixed_kernel_provenance_needs_the_flag(cache, tmp_path):
     assert "mixed kernel provenance" in refused.stderr and "--allow-mixed-provenance" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     allowed = cli("train", "--cache", str(mixed), "--out", str(tmp_path / "run"), "--max-steps", "2",
-                  "--allow-mixed-provenance", "--json")
+                  "--allow-mixed-provenance")
     assert allowed.returncode == 0, allowed.stderr
     assert "warning" in allowed.stderr and "mixed kernel provenance" in allowed.stderr
+    assert "accuracy" in allowed.stdout and "drafter" in allowed.stdout  # the human summary table
+
+
+def test_a_corrupted_chunk_stops_training_with_a_clear_error(cache, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(cache, bad)
+    chunk = bad / "shard-00001" / "hidden" / "c" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    result = cli("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "40")
+    assert result.returncode == 1
+    assert f"{bad}/shard-00001/hidden: read of sample" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_resume_refuses_a_changed_config(cache, tmp_path):
