@@ -204,10 +204,13 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def all_sum(value: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
+def all_sum(value: torch.Tensor, world: int, device: torch.device) -> torch.Tensor:
+    """Sum over ranks, returned on the CPU (NCCL reduces CUDA tensors only, gloo CPU ones)."""
+    if world == 1:
+        return value.cpu()
+    value = value.to(device)
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.cpu()
 
 
 def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bool = True, view=None,
@@ -376,14 +379,14 @@ class StepRunner:
                 seq.taps = seq.taps + std * torch.randn(seq.taps.shape, generator=noise_generator(self.cfg.seed, step, sid))
         tokens = sum(seq.num_tokens for _, seq in items)
         local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
-        global_w = float(all_sum(local_w.clone(), self.world))
+        global_w = float(all_sum(local_w.clone(), self.world, self.device))
         if global_w == 0:
             raise PipelineError(f"step {step}: no supervised slot in the whole global batch (check the cache's loss masks)")
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(step)
         self.optimizer.zero_grad(set_to_none=True)
         micro = [items[i:i + self.plan.micro] for i in range(0, len(items), self.plan.micro)] or [[]]
-        total_loss = torch.zeros((), dtype=torch.float64)
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         sums = None
         for i, chunk in enumerate(micro):
             sync = i == len(micro) - 1
@@ -395,7 +398,7 @@ class StepRunner:
                     logits = forward_logits(self.model, packed)
                 part = loss_sum(logits, packed, self.cfg.loss)
                 (part * (self.world / global_w)).backward()
-                total_loss += float(part.detach())
+                total_loss += part.detach().double()  # stays on the device: no sync per micro-batch
                 if with_metrics:
                     sums = add_sums(sums, {k: v.cpu() for k, v in metric_sums(
                         logits.detach(), packed.labels, packed.weights, packed.real_blocks).items()})
@@ -411,8 +414,8 @@ class StepRunner:
         if with_metrics:
             if sums is None:
                 sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
-            flat = torch.cat([v.reshape(-1).double() for v in sums.values()] + [total_loss.reshape(1)])
-            flat = all_sum(flat, self.world)
+            flat = torch.cat([v.reshape(-1).double() for v in sums.values()] + [total_loss.cpu().reshape(1)])
+            flat = all_sum(flat, self.world, self.device)
             out, i = {}, 0
             for k, v in sums.items():
                 out[k] = flat[i:i + v.numel()].reshape(v.shape)
@@ -431,7 +434,7 @@ def _empty_sums(block_size: int) -> dict:
 
 def _log_record(result: dict, trainer: StepRunner, interval: _Interval, *, step, epoch, position, plan, elapsed) -> dict:
     seconds = max(time.perf_counter() - interval.t0, 1e-9)
-    tokens = float(all_sum(torch.tensor(float(interval.tokens), dtype=torch.float64), trainer.world))
+    tokens = float(all_sum(torch.tensor(float(interval.tokens), dtype=torch.float64), trainer.world, trainer.device))
     m = result["metrics"]
     return {
         "step": step, "epoch": epoch, "loss": result["loss"], "accuracy": m["accuracy"], "top4_acc": m["top4_acc"],
