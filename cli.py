@@ -166,6 +166,60 @@ def _show_train(summary: dict, json_out: bool) -> None:
     console.print(key_value_table("train", rows))
 
 
+@app.command("eval")
+@_user_errors
+def eval_(
+    drafter: Annotated[Path, typer.Option(help="Drafter export (RUN/drafter) or its run directory.")] = Path("dflash-run"),
+    target: Annotated[Optional[Path], typer.Option(help="Target model directory (default: the one the run trained against, else the embedded target).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(help="JSONL conversations; the prompt is everything before the last assistant turn (default: the embedded held-out set).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt at most.")] = 96,
+    block_size: Annotated[Optional[int], typer.Option(help="Draft block size (default: the drafter's).")] = None,
+    tree_budget: Annotated[str, typer.Option(help="DDTree node budgets, comma-separated ('' for none).")] = "16,64",
+    tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
+    blocks and DDTree trees, checked token for token against plain greedy decoding."""
+    from pipeline.ui import ProgressBar
+    from stages.eval import run_eval
+
+    budgets = _int_list(tree_budget, "--tree-budget") or []
+    count = limit or sum(1 for line in open(prompts, encoding="utf-8") if line.strip()) if prompts and Path(prompts).is_file() else (limit or 200)
+    with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
+        result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
+                          tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, progress=bar.advance)
+    _show_eval(result, json_out)
+    if not result["lossless"]:
+        raise typer.Exit(1)
+
+
+def _show_eval(result: dict, json_out: bool) -> None:
+    from rich.table import Table
+
+    from pipeline.ui import console, error, print_json
+
+    if json_out:
+        print_json(result)
+    else:
+        g = result["greedy"]
+        table = Table(title=f"eval: {result['prompts']} prompts, block {result['block_size']}, "
+                            f"greedy {g['tokens_per_s']:,.0f} tok/s", title_justify="left")
+        for col in ("method", "tau (mean of means)", "tau (pooled)", "verify passes/token", "target passes/token",
+                    "tok/s", "speed vs greedy", "identical to greedy"):
+            table.add_column(col)
+        rows = [("block", result["block"])] + [(f"ddtree {b}", r) for b, r in result["tree"].items()]
+        for name, r in rows:
+            table.add_row(name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
+                          f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_greedy']:.2f}x",
+                          f"{r['identical_to_greedy']}/{result['prompts']}")
+        console.print(table)
+        hist = result["block"]["accept_histogram"]
+        console.print("block acceptance lengths: " + "  ".join(f"{k}:{v}" for k, v in hist.items()), highlight=False)
+    if not result["lossless"]:
+        error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
+
+
 @app.command("verify-cache")
 def verify_cache(
     cache: Annotated[Path, typer.Argument(help="Cache directory to verify.")],

@@ -1,0 +1,1 @@
+"""Real speculative decoding against the live target (greedy): block drafting and DDTree."""

@@ -1,0 +1,127 @@
+"""Greedy decoding, block speculative decoding and DDTree speculative decoding (all greedy).
+
+Speculative decoding is lossless by construction: every emitted token is the target's own greedy
+choice given the tokens before it; the drafter only decides how many of them one verification
+pass confirms. Per verify step the acceptance length is (accepted draft tokens) + 1 (the bonus
+token the target produces itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.speculative.live_target import LiveTarget
+from pipeline.speculative.tree import build_tree
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)   # accepted draft tokens per verify step
+    verify_passes: int = 0
+    target_passes: int = 0
+
+
+def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool:
+    """Append `new` to `out`, cutting at the first end-of-sequence or at max_new; True when done."""
+    for token in new:
+        out.append(token)
+        if token in eos or len(out) >= max_new:
+            return True
+    return False
+
+
+def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]) -> Decoded:
+    start = target.passes
+    step = target.run(prompt, None, 0, taps=False)
+    out: list[int] = []
+    pos = len(prompt)
+    token = int(step.logits[-1].argmax())
+    while not _finish(out, [token], eos, max_new):
+        step = target.run([token], step.state, pos, taps=False)
+        pos += 1
+        token = int(step.logits[-1].argmax())
+    return Decoded(out, target_passes=target.passes - start)
+
+
+@torch.no_grad()
+def draft_logits(drafter, context_TNH: torch.Tensor, anchor: int, anchor_pos: int) -> torch.Tensor:
+    """Drafter logits [B-1, V] for the positions after `anchor`; context = taps of positions < anchor_pos."""
+    c = drafter.config
+    b = c.block_size
+    ids = torch.full((1, b), c.mask_token_id, dtype=torch.long)
+    ids[0, 0] = anchor
+    pos = torch.arange(anchor_pos, anchor_pos + b)[None]
+    allowed = torch.ones(1, b, context_TNH.shape[0] + b, dtype=torch.bool)
+    return drafter(context_TNH[None], ids, pos, allowed)[0, 1:].float()
+
+
+def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int],
+                 draft=None) -> Decoded:
+    """Block speculative decoding. `draft(context, anchor, pos) -> [B-1] tokens` overrides the
+    drafter (tests use an oracle)."""
+    start = target.passes
+    pre = target.run(prompt, None, 0)
+    state, context = pre.state, pre.taps
+    pos, bonus = len(prompt), int(pre.logits[-1].argmax())
+    result = Decoded([])
+    while not _finish(result.tokens, [bonus], eos, max_new):
+        drafts = (draft or (lambda ctx, a, p: draft_logits(drafter, ctx, a, p).argmax(-1).tolist()))(context, bonus, pos)
+        verify = target.run([bonus, *drafts], LiveTarget.copy(state), pos)
+        result.verify_passes += 1
+        choices = verify.logits.argmax(-1).tolist()      # choices[k]: the target's token for position pos+k+1
+        n = 0
+        while n < len(drafts) and drafts[n] == choices[n]:
+            n += 1
+        result.accepted.append(n)
+        if n == len(drafts):
+            state = verify.state                          # everything verified was accepted
+        else:
+            target.run([bonus, *drafts[:n]], state, pos, taps=False)   # roll forward the committed state
+        context = torch.cat([context, verify.taps[:n + 1]])
+        pos += n + 1
+        if _finish(result.tokens, drafts[:n], eos, max_new):
+            break
+        bonus = choices[n]
+    result.target_passes = target.passes - start
+    return result
+
+
+def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int], budget: int,
+                top_k: int = 8) -> Decoded:
+    """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
+    down it. The tree is verified as its root-to-leaf paths batched in one forward: the Gated
+    DeltaNet layers are recurrences, which an ancestor-only attention mask cannot express."""
+    start = target.passes
+    pre = target.run(prompt, None, 0)
+    state, context = pre.state, pre.taps
+    pos, bonus = len(prompt), int(pre.logits[-1].argmax())
+    result = Decoded([])
+    while not _finish(result.tokens, [bonus], eos, max_new):
+        logprobs = torch.log_softmax(draft_logits(drafter, context, bonus, pos), dim=-1)
+        tree = build_tree(logprobs, budget, top_k)
+        paths = tree.paths()
+        width = max(len(p) for p in paths)
+        rows = torch.tensor([[bonus] + [tree.tokens[n] for n in p] + [bonus] * (width - len(p)) for p in paths])
+        logits = target.run_rows(rows, state, pos)
+        result.verify_passes += 1
+        row_of = {n: r for r, p in enumerate(paths) for n in p}
+        accepted, node, row, depth = [], -1, 0, 0
+        while True:
+            choice = int(logits[row, depth].argmax())     # the target's token after the path so far
+            child = tree.children.get(node, {}).get(choice)
+            if child is None:
+                break
+            accepted.append(choice)
+            node, row, depth = child, row_of[child], depth + 1
+        result.accepted.append(len(accepted))
+        commit = target.run([bonus, *accepted], state, pos)   # the committed state and the new context taps
+        context = torch.cat([context, commit.taps])
+        pos += len(accepted) + 1
+        if _finish(result.tokens, accepted, eos, max_new):
+            break
+        bonus = choice
+    result.target_passes = target.passes - start
+    return result

@@ -1,0 +1,144 @@
+"""`pipeline eval`: real speculative decoding against the live target, greedy.
+
+For every prompt: plain greedy decoding (the reference and the speed baseline), block
+speculative decoding with the drafter, and DDTree at each node budget. Every speculative output
+is compared token for token with greedy (speculative decoding is lossless; a difference is a
+bug and is reported). tau (accepted draft tokens + 1 per verify step) is reported as the mean
+of per-response means (as the DFlash paper does) and pooled over all steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.drafter.export import load_drafter
+from pipeline.errors import PipelineError
+from pipeline.speculative.decode import Decoded, block_decode, greedy, tree_decode
+from pipeline.speculative.live_target import LiveTarget
+from pipeline.target import load_model, load_tokenizer, read_target_facts
+
+
+def resolve_drafter(path: Path) -> tuple[Path, Path | None]:
+    """(drafter export dir, the target its run recorded): accepts RUN/ or RUN/drafter/."""
+    path = Path(path)
+    if (path / "drafter" / "config.json").is_file():
+        path = path / "drafter"
+    if not (path / "config.json").is_file():
+        raise PipelineError(f"{path}: not a drafter export (no config.json); pass the run directory or its drafter/")
+    run = path.parent / "run.json"
+    target = None
+    if run.is_file():
+        try:
+            target = Path(json.loads(run.read_text())["target"])
+        except (KeyError, json.JSONDecodeError):
+            target = None
+    return path, target
+
+
+def read_prompts(path: Path, tokenizer, limit: int | None) -> list[dict]:
+    """Conversations -> prompts: everything before the last assistant turn, rendered with the
+    chat template's generation prompt. One-line errors name the file and line."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                messages = row["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise PipelineError(f"{path}:{line_no}: not a conversation with `messages` ({type(e).__name__})") from None
+            if messages and messages[-1].get("role") == "assistant":
+                messages = messages[:-1]
+            if not messages:
+                raise PipelineError(f"{path}:{line_no}: nothing before the assistant turn to use as a prompt")
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompts.append({"id": row.get("id", line_no), "ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+            if limit and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise PipelineError(f"{path}: no prompts")
+    return prompts
+
+
+def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, greedy_seconds: float, block: int) -> dict:
+    per_response = [statistics.mean(a + 1 for a in r.accepted) for r in runs if r.accepted]
+    steps = [a + 1 for r in runs for a in r.accepted]
+    tokens = sum(len(r.tokens) for r in runs)
+    histogram = {str(k): 0 for k in range(1, block + 1)}
+    for s in steps:
+        histogram[str(s)] = histogram.get(str(s), 0) + 1
+    mismatches = [i for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens]
+    return {
+        "tau_mean_of_means": statistics.mean(per_response) if per_response else 0.0,
+        "tau_pooled": statistics.mean(steps) if steps else 0.0,
+        "accept_histogram": histogram,
+        "verify_passes_per_token": sum(r.verify_passes for r in runs) / max(tokens, 1),
+        "target_passes_per_token": sum(r.target_passes for r in runs) / max(tokens, 1),
+        "tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        "speedup_vs_greedy": greedy_seconds / max(seconds, 1e-9),
+        "identical_to_greedy": len(runs) - len(mismatches), "mismatched_prompts": mismatches[:20],
+    }
+
+
+def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
+             block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
+             progress=None) -> dict:
+    from pipeline.embedded import HELDOUT_DATA, TARGET_DIR
+    from stages.train import frozen_target_modules
+
+    drafter_dir, recorded = resolve_drafter(drafter_path)
+    target_dir = Path(target) if target else (recorded if recorded and (recorded / "config.json").is_file() else TARGET_DIR)
+    facts = read_target_facts(target_dir)
+    embed, head = frozen_target_modules(target_dir)
+    drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).eval()
+    c = drafter.config
+    if (c.hidden_size, c.vocab_size) != (facts.hidden_size, facts.vocab_size) or max(c.target_layer_ids) >= facts.num_hidden_layers - 1:
+        raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
+                            f"{c.target_layer_ids}) does not fit target {target_dir} (hidden {facts.hidden_size}, "
+                            f"vocab {facts.vocab_size}, {facts.num_hidden_layers} layers)")
+    block = block_size or c.block_size
+    if not 2 <= block <= c.block_size:
+        raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
+    if any(b < 1 for b in tree_budgets):
+        raise PipelineError(f"--tree-budget values must be >= 1, got {tree_budgets}")
+    c.block_size = block
+    tokenizer = load_tokenizer(target_dir)
+    model = load_model(target_dir, dtype=torch.float32)
+    live = LiveTarget(model, c.target_layer_ids)
+    eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)}
+    items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
+
+    reference, blocks, trees = [], [], {b: [] for b in tree_budgets}
+    seconds = {"greedy": 0.0, "block": 0.0, **{f"tree{b}": 0.0 for b in tree_budgets}}
+    for item in items:
+        # Variants alternate per prompt, so machine drift hits them all alike.
+        t0 = time.perf_counter()
+        reference.append(greedy(live, item["ids"], max_new=max_new_tokens, eos=eos))
+        seconds["greedy"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        blocks.append(block_decode(live, drafter, item["ids"], max_new=max_new_tokens, eos=eos))
+        seconds["block"] += time.perf_counter() - t0
+        for b in tree_budgets:
+            t0 = time.perf_counter()
+            trees[b].append(tree_decode(live, drafter, item["ids"], max_new=max_new_tokens, eos=eos, budget=b,
+                                        top_k=tree_top_k))
+            seconds[f"tree{b}"] += time.perf_counter() - t0
+        if progress:
+            progress(1)
+    greedy_tokens = sum(len(r.tokens) for r in reference)
+    return {
+        "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
+        "max_new_tokens": max_new_tokens, "device": "cpu", "kernels": "torch fallback" if not torch.cuda.is_available() else "as bound",
+        "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
+                   "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
+        "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),
+        "tree": {str(b): {**summarise(trees[b], reference, seconds[f"tree{b}"], seconds["greedy"], block), "top_k": tree_top_k}
+                 for b in tree_budgets},
+        "lossless": all(r.tokens == g.tokens for runs in [blocks, *trees.values()] for r, g in zip(runs, reference)),
+    }
