@@ -177,6 +177,7 @@ def eval_(
     tree_budget: Annotated[str, typer.Option(help="DDTree node budgets, comma-separated ('' for none).")] = "16,64",
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
+    cache: Annotated[Optional[Path], typer.Option(help="A cache of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
@@ -188,7 +189,7 @@ def eval_(
     count = limit or sum(1 for line in open(prompts, encoding="utf-8") if line.strip()) if prompts and Path(prompts).is_file() else (limit or 200)
     with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
-                          tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, progress=bar.advance)
+                          tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance)
     _show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)
@@ -216,6 +217,10 @@ def _show_eval(result: dict, json_out: bool) -> None:
         console.print(table)
         hist = result["block"]["accept_histogram"]
         console.print("block acceptance lengths: " + "  ".join(f"{k}:{v}" for k, v in hist.items()), highlight=False)
+        if "teacher_forced" in result:
+            tf = result["teacher_forced"]
+            console.print(f"teacher-forced on the cache (last assistant turns, {tf['anchors']:,} anchors): "
+                          f"avg_streak + 1 = {tf['tau_estimate']:.2f}, accuracy {tf['accuracy']:.3f}", highlight=False)
     if not result["lossless"]:
         error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
 

@@ -86,9 +86,44 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
     }
 
 
+@torch.no_grad()
+def teacher_forced(drafter, cache_dir: Path, *, im_start: int, last_turn_only: bool = True) -> dict:
+    """The training metrics of `drafter` on a cache, every valid anchor (no sampling), optionally
+    only anchors in each sample's last assistant turn (the turn `run_eval` generates)."""
+    import numpy as np
+
+    from pipeline.cache.reader import CacheReader
+    from pipeline.drafter.batch import anchor_generator, forward_logits, pack, prepare
+    from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
+
+    c, sums = drafter.config, None
+    reader = CacheReader(cache_dir)
+    for name in reader.shards:
+        shard = reader.shard(name, chunk_cache_bytes=64 * 2**20)
+        for sid in map(int, shard.sample_ids):
+            sample = {**shard.sample(sid), "sample_id": sid}
+            seq = prepare(sample, block_size=c.block_size, num_anchors=2**31, max_length=2**31,
+                          mask_token_id=c.mask_token_id, gamma=4.0, generator=anchor_generator(0, 0, sid))
+            if seq is None:
+                continue
+            batch = pack([seq], c.block_size)
+            logits = forward_logits(drafter, batch)
+            keep = torch.ones(len(seq.anchors), dtype=torch.bool)
+            if last_turn_only:
+                starts = np.nonzero(sample["input_ids"] == im_start)[0]
+                keep = seq.anchors > int(starts[-1]) if len(starts) else keep
+            if keep.any():
+                sums = add_sums(sums, metric_sums(logits[keep], batch.labels[keep], batch.weights[keep]))
+    if sums is None:
+        raise PipelineError(f"{cache_dir}: no sample with a valid anchor")
+    metrics = finish_metrics(sums)
+    return {**metrics, "tau_estimate": metrics["avg_streak"] + 1, "anchors": int(sums["blocks"]),
+            "last_turn_only": last_turn_only}
+
+
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
-             progress=None) -> dict:
+             cache: Path | None = None, progress=None) -> dict:
     from pipeline.embedded import HELDOUT_DATA, TARGET_DIR
     from stages.train import frozen_target_modules
 
@@ -132,7 +167,10 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         if progress:
             progress(1)
     greedy_tokens = sum(len(r.tokens) for r in reference)
-    return {
+    extra = {}
+    if cache is not None:
+        extra["teacher_forced"] = teacher_forced(drafter, cache, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    return {**extra,
         "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
         "max_new_tokens": max_new_tokens, "device": "cpu", "kernels": "torch fallback" if not torch.cuda.is_available() else "as bound",
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
