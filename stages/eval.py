@@ -172,7 +172,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         extra["teacher_forced"] = teacher_forced(drafter, cache, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
     return {**extra,
         "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
-        "max_new_tokens": max_new_tokens, "device": "cpu", "kernels": "torch fallback" if not torch.cuda.is_available() else "as bound",
+        "max_new_tokens": max_new_tokens, "device": "cpu (float32)",
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
         "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),
