@@ -220,7 +220,8 @@ def _show_eval(result: dict, json_out: bool) -> None:
         if "teacher_forced" in result:
             tf = result["teacher_forced"]
             console.print(f"teacher-forced on the cache (last assistant turns, {tf['anchors']:,} anchors): "
-                          f"avg_streak + 1 = {tf['tau_estimate']:.2f}, accuracy {tf['accuracy']:.3f}", highlight=False)
+                          f"avg_streak + 1 = {tf['tau_estimate']:.2f}, decoding replayed on its streaks = "
+                          f"{tf['tau_walk']:.2f}, accuracy {tf['accuracy']:.3f}", highlight=False)
     if not result["lossless"]:
         error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
 

@@ -96,7 +96,7 @@ def teacher_forced(drafter, cache_dir: Path, *, im_start: int, last_turn_only: b
     from pipeline.drafter.batch import anchor_generator, forward_logits, pack, prepare
     from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
 
-    c, sums = drafter.config, None
+    c, sums, walk_tokens, walk_steps = drafter.config, None, 0, 0
     reader = CacheReader(cache_dir)
     for name in reader.shards:
         shard = reader.shard(name, chunk_cache_bytes=64 * 2**20)
@@ -114,11 +114,29 @@ def teacher_forced(drafter, cache_dir: Path, *, im_start: int, last_turn_only: b
                 keep = seq.anchors > int(starts[-1]) if len(starts) else keep
             if keep.any():
                 sums = add_sums(sums, metric_sums(logits[keep], batch.labels[keep], batch.weights[keep]))
+                walk = _walk(seq.anchors[keep].tolist(), logits[keep], batch.labels[keep], batch.weights[keep])
+                walk_tokens, walk_steps = walk_tokens + walk[0], walk_steps + walk[1]
     if sums is None:
         raise PipelineError(f"{cache_dir}: no sample with a valid anchor")
     metrics = finish_metrics(sums)
-    return {**metrics, "tau_estimate": metrics["avg_streak"] + 1, "anchors": int(sums["blocks"]),
-            "last_turn_only": last_turn_only}
+    return {**metrics, "tau_estimate": metrics["avg_streak"] + 1, "tau_walk": walk_tokens / max(walk_steps, 1),
+            "anchors": int(sums["blocks"]), "last_turn_only": last_turn_only}
+
+
+def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
+    """Replay decoding on teacher-forced streaks: start at the first anchor, accept its streak plus
+    the bonus token, continue at the next position, stop where no block can start (the end of the
+    response). Returns (tokens, steps). Uniform anchors weight easy stretches by their length;
+    decoding crosses them in few steps, so this walk, not avg_streak + 1, is what tau should equal."""
+    ok = (logits.argmax(-1) == labels) & (weights > 0)
+    streak = dict(zip(anchors, ok[:, 1:].int().cumprod(dim=1).sum(dim=1).tolist()))
+    tokens = steps = 0
+    a = anchors[0]
+    while a in streak:
+        tokens += streak[a] + 1
+        steps += 1
+        a += streak[a] + 1
+    return tokens, steps
 
 
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,

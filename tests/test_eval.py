@@ -133,12 +133,15 @@ def test_tree_is_best_first_within_its_budget():
 
 
 def test_eval_tau_agrees_with_the_teacher_forced_estimate(full_eval):
-    """Same held-out conversations: eval's pooled tau against avg_streak + 1 measured on their cache
-    (anchors in the generated last turn). Eval anchors land after each accepted run, so hard
-    regions are visited more often than by uniform teacher-forced anchors: eval tau is expected a
-    little below the estimate, not above it. Stated tolerance: -1.0 .. +0.25."""
-    estimate, tau = full_eval["teacher_forced"]["tau_estimate"], full_eval["block"]["tau_pooled"]
-    assert estimate - 1.0 <= tau <= estimate + 0.25, (tau, estimate)
+    """Same held-out conversations, anchors in the generated last turn. Replaying decoding on the
+    teacher-forced streaks (`tau_walk`) must give eval's pooled tau: stated tolerance 0.15 (the
+    features differ only by bf16 storage, and eval counts drafts accepted past the end token).
+    DESIGN's avg_streak + 1 weights every position alike, while decoding crosses easy stretches
+    in few steps, so it sits above the real tau (by 0.5 at block 8 and 2.1 at block 16 measured):
+    it is an optimistic estimate, and tau must not exceed it by more than noise."""
+    tf, tau = full_eval["teacher_forced"], full_eval["block"]["tau_pooled"]
+    assert abs(tau - tf["tau_walk"]) <= 0.15, (tau, tf["tau_walk"])
+    assert tau <= tf["tau_estimate"] + 0.25, (tau, tf["tau_estimate"])
 
 
 def test_eval_cli_json_and_a_bad_drafter(trained, tmp_path):
