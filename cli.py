@@ -226,6 +226,91 @@ def _show_eval(result: dict, json_out: bool) -> None:
         error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
 
 
+@app.command()
+@_user_errors
+def report(
+    logs: Annotated[list[Path], typer.Argument(help="train_log.jsonl files or run directories; several are compared.")],
+    window: Annotated[Optional[int], typer.Option(help="Entries per rolling window (default: 200, at most an eighth of the shortest log).")] = None,
+    every: Annotated[Optional[int], typer.Option(help="Steps between checkpoints (default: about 8 per run).")] = None,
+    epochs: Annotated[Optional[float], typer.Option(help="Epochs of the full run, for extrapolation (default: the run's plan, else the last step).")] = None,
+    steps_per_epoch: Annotated[Optional[float], typer.Option(help="Steps per epoch, if the log does not record it.")] = None,
+    reference_tau: Annotated[Optional[float], typer.Option(help="Acceptance length of a reference drafter to hold the extrapolated tau against.")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for the PNG plots.")] = Path("dflash-report"),
+    json_out: JsonOpt = False,
+) -> None:
+    """Convergence diagnostics: rolling means with confidence intervals, plateau/regression
+    verdicts, cliffs, grad-norm anomalies, extrapolation, run-vs-run comparison, plots."""
+    from stages.report import run_report
+
+    result = run_report(logs, window_size=window, every=every, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                        reference_tau=reference_tau, plots=out)
+    if json_out:
+        from pipeline.ui import print_json
+        print_json(result)
+    else:
+        _show_report(result)
+
+
+def _fmt_window(w) -> str:
+    if not isinstance(w, dict):
+        return "missing"
+    ci = w.get("ci95")
+    return f"{w['mean']:.4g} ± {ci:.2g}" if ci is not None else f"{w['mean']:.4g}"
+
+
+def _show_report(result: dict) -> None:
+    from rich.table import Table
+
+    from pipeline.ui import console
+
+    colours = {"improving": "green", "plateau": "yellow", "regressing": "bold red", "missing": "red"}
+    for run in result["runs"]:
+        table = Table(title=f"{run['name']}: {run['entries']} entries to step {run['last_step']:g}, window "
+                            f"{run['window']} entries", title_justify="left")
+        for col in ("metric", "last window (95% CI)", "change vs previous window", "z", "verdict", "extrapolated at end"):
+            table.add_column(col)
+        for metric, v in run["verdicts"].items():
+            last = next((c[metric] for c in reversed(run["checkpoints"]) if isinstance(c.get(metric), dict)), None)
+            verdict = v.get("verdict", "")
+            ext = run["extrapolated"].get(metric)
+            table.add_row(metric, _fmt_window(last), f"{v['change']:+.3g}" if "change" in v else "",
+                          f"{v['z']:+.1f}" if "z" in v else "", f"[{colours.get(verdict, 'white')}]{verdict}[/]",
+                          f"{ext:.4g}" if isinstance(ext, float) else "")
+        console.print(table)
+        checkpoints = Table(title=f"{run['name']}: rolling means at checkpoints", title_justify="left")
+        for col in ("at", "loss", "accuracy", "avg_streak", "ddtree_streak8"):
+            checkpoints.add_column(col)
+        for c in run["checkpoints"]:
+            checkpoints.add_row(c["at"], *(_fmt_window(c[m]) for m in ("loss", "accuracy", "avg_streak", "ddtree_streak8")))
+        console.print(checkpoints)
+        for problem in run["cliffs"]:
+            console.print(f"[bold red]cliff[/] {problem['metric']} at step {problem['step']:g}: "
+                          f"{problem['before']:.4g} -> {problem['after']:.4g}")
+        for problem in run["grad_norm_anomalies"]:
+            console.print(f"[bold red]grad-norm anomaly[/] at step {problem['step']:g}: {problem['value']:.4g}")
+        if run["missing"]:
+            console.print("[red]missing keys[/] (entries without them; never counted as zero): "
+                          + ", ".join(f"{k} in {n}" for k, n in run["missing"].items()))
+        if "reference" in run and run["reference"]["extrapolated_tau"] is not None:
+            ref = run["reference"]
+            console.print(f"extrapolated tau {ref['extrapolated_tau']:.2f} vs reference {ref['reference_tau']:.2f} "
+                          f"({ref['gap']:+.2f}); {ref['note']}")
+    if "comparison" in result:
+        names = [r["name"] for r in result["runs"]]
+        table = Table(title="runs at matching steps (rolling means)", title_justify="left")
+        for col in ("step", "metric", *names, "leader", "margin", "beyond noise"):
+            table.add_column(col)
+        for row in result["comparison"]:
+            for metric in ("loss", "accuracy", "avg_streak"):
+                e = row[metric]
+                means = [f"{e['means'][n]:.4g}" if isinstance(e["means"][n], float) else "missing" for n in names]
+                table.add_row(f"{row['step']:g}", metric, *means, e.get("leader", ""),
+                              f"{e['margin']:.3g}" if "margin" in e else "", "yes" if e.get("significant") else "no")
+        console.print(table)
+    for path in result.get("plots", []):
+        console.print(f"plot: {path}", highlight=False)
+
+
 @app.command("verify-cache")
 def verify_cache(
     cache: Annotated[Path, typer.Argument(help="Cache directory to verify.")],

@@ -1,0 +1,1 @@
+"""Convergence diagnostics over train_log.jsonl files (`pipeline report`)."""

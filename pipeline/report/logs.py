@@ -1,0 +1,70 @@
+"""Reading train logs: one JSON object per line; a torn last line (a killed run) is tolerated,
+anything else malformed is an error naming the file and line. Missing keys stay missing."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+# Metric -> which direction is better (+1 higher, -1 lower, 0 neither).
+DIRECTION = {"loss": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
+             "ddtree_streak8": 1, "grad_norm": 0, "lr": 0, "tok_per_sec": 1, "noise_std": 0}
+GROUPS = {"loss": ["loss"], "accuracy": ["accuracy", "top4_acc", "top8_acc"],
+          "streaks": ["avg_streak", "ddtree_streak4", "ddtree_streak8"], "optimisation": ["lr", "grad_norm"]}
+QUALITY = ["loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4", "ddtree_streak8"]
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    records: list[dict]
+    steps_per_epoch: float | None
+
+    def series(self, metric: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of the records that carry `metric` as a finite number."""
+        steps, values = [], []
+        for r in self.records:
+            v = r.get(metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                steps.append(float(r["step"]))
+                values.append(float(v))
+        return steps, values
+
+    def missing(self, metric: str) -> int:
+        return sum(1 for r in self.records if not isinstance(r.get(metric), (int, float)))
+
+    @property
+    def last_step(self) -> float:
+        return float(self.records[-1]["step"])
+
+
+def read_run(path: Path, steps_per_epoch: float | None = None) -> Run:
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: no such log file")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):
+                break  # a torn last line from a killed run
+            raise PipelineError(f"{path}:{i}: not a JSON object") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            raise PipelineError(f"{path}:{i}: a log entry needs a numeric `step`")
+        records.append(record)
+    if not records:
+        raise PipelineError(f"{path}: no log entries")
+    records.sort(key=lambda r: r["step"])
+    if steps_per_epoch is None:
+        found = [r["steps_per_epoch"] for r in records if isinstance(r.get("steps_per_epoch"), (int, float))]
+        steps_per_epoch = float(found[-1]) if found else None
+    return Run(path.parent.name if path.name == "train_log.jsonl" else path.stem, path, records, steps_per_epoch)
