@@ -369,12 +369,44 @@ def _show_checks(result: dict) -> None:
 
 @app.command()
 @_user_errors
-def demo(json_out: JsonOpt = False) -> None:
-    """Run on the embedded default. For now: load the embedded tiny target and summarise it."""
-    from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
-    from stages.summary import target_summary
+def demo(
+    out: Annotated[Path, typer.Option(help="Folder for everything the demo writes.")] = Path("dflash-demo"),
+    quick: Annotated[bool, typer.Option(help="A one-minute version (fewer conversations, steps and prompts).")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """The whole pipeline on the embedded tiny target: extract, verify, train, speculative-decoding
+    eval, report. About 5 minutes on 2 CPU cores; re-running resumes."""
+    from pipeline.ui import err_console
+    from stages.demo import run_demo
 
-    _show_summary(target_summary(TARGET_DIR, heldout=HELDOUT_DATA, build_report=BUILD_REPORT), json_out)
+    summary = run_demo(out, quick=quick, progress=not json_out,
+                       say=lambda m: err_console.print(f"[bold]{m}[/]", highlight=False, markup=True))
+    if json_out:
+        from pipeline.ui import print_json
+        print_json(summary)
+        return
+    _show_demo(summary)
+
+
+def _show_demo(s: dict) -> None:
+    from pipeline.ui import console, key_value_table
+
+    t, e, c = s["train"], s["eval"], s["cache"]
+    rows = [
+        ("cache", f"{c['path']}: {c['tokens']:,} tokens in {c['shards']} shards, {c['bytes']:,} bytes, "
+                  f"{c['bytes_per_token']:,.0f} bytes/token"),
+        ("verify-cache", "all checks passed" if s["verify"]["passed"] else f"FAILED: {', '.join(s['verify']['failed_checks'])}"),
+        ("training", f"{t['steps']} steps: loss {t['loss']:.3f}, accuracy {t['accuracy']:.3f}, "
+                     f"avg_streak {t['avg_streak']:.2f} (teacher-forced)"),
+        ("eval", f"{e['prompts']} held-out prompts, outputs identical to greedy: {'yes' if e['lossless'] else 'NO'}"),
+        ("tau (block)", f"{e['block_tau_mean_of_means']:.2f} mean of per-response means, {e['block_tau_pooled']:.2f} pooled"),
+        *[(f"tau (DDTree {k[6:].split('_')[0]})", f"{v:.2f} pooled") for k, v in e.items() if k.startswith("ddtree")],
+        ("drafter", t["drafter"]),
+        ("report", ", ".join(s["report"]["plots"])),
+        ("wall time", f"{s['timings']['total_s']:.0f} s (" + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in s["timings"].items()
+                                                              if k != "total_s") + ")"),
+    ]
+    console.print(key_value_table("demo", rows))
 
 
 @app.command("target-info")
@@ -385,12 +417,13 @@ def target_info(
     json_out: JsonOpt = False,
 ) -> None:
     """Summarise a target model directory: class, layers, taps, tokenizer, chat template."""
-    from pipeline.embedded import HELDOUT_DATA, TARGET_DIR
+    from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
     from stages.summary import target_summary
 
+    build = None
     if path is None:
-        path, data = TARGET_DIR, data or HELDOUT_DATA
-    _show_summary(target_summary(path, heldout=data), json_out)
+        path, data, build = TARGET_DIR, data or HELDOUT_DATA, BUILD_REPORT
+    _show_summary(target_summary(path, heldout=data, build_report=build), json_out)
 
 
 def _show_summary(summary: dict, json_out: bool) -> None:

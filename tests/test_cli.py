@@ -5,6 +5,7 @@ import shutil
 import subprocess
 
 import pytest
+from extract_helpers import cli
 from typer.testing import CliRunner
 
 from cli import app
@@ -50,8 +51,8 @@ def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
-def test_demo_summarises_the_embedded_target():
-    result = invoke("demo", "--json")
+def test_target_info_summarises_the_embedded_target():
+    result = invoke("target-info", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["class"] == "Qwen3_5ForCausalLM"
@@ -62,10 +63,22 @@ def test_demo_summarises_the_embedded_target():
     assert summary["self_agreement"]["agreement"] >= 0.98
 
 
-def test_demo_human_output_is_a_table():
-    result = invoke("demo")
+def test_target_info_human_output_is_a_table():
+    result = invoke("target-info")
     assert result.exit_code == 0, result.output
     assert "Qwen3_5ForCausalLM" in result.output and "agreement" in result.output
+
+
+def test_quick_demo_runs_the_whole_pipeline(tmp_path):
+    result = cli("demo", "--quick", "--out", str(tmp_path / "demo"), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert summary["verify"]["passed"] and summary["eval"]["lossless"]
+    assert summary["train"]["steps"] == 40 and summary["eval"]["prompts"] == 6
+    assert summary["cache"]["bytes_per_token"] > 0 and len(summary["report"]["plots"]) == 4
+    for stage in ("[1/5] extract", "[3/5] train", "[5/5] report"):
+        assert stage in result.stderr
+    assert json.loads((tmp_path / "demo" / "demo.json").read_text())["eval"] == summary["eval"]
 
 
 def test_target_info_on_a_bad_directory_is_one_clear_line(tmp_path):
