@@ -58,14 +58,18 @@ def draft_logits(drafter, context_TNH: torch.Tensor, anchor: int, anchor_pos: in
     return drafter(context_TNH[None], ids, pos, allowed)[0, 1:].float()
 
 
+def _prefill(target: LiveTarget, prompt: list[int]):
+    """(committed state, context taps [P, n, H], position of the first new token, that token)."""
+    pre = target.run(prompt, None, 0)
+    return pre.state, pre.taps, len(prompt), int(pre.logits[-1].argmax())
+
+
 def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int],
                  draft=None) -> Decoded:
     """Block speculative decoding. `draft(context, anchor, pos) -> [B-1] tokens` overrides the
     drafter (tests use an oracle)."""
     start = target.passes
-    pre = target.run(prompt, None, 0)
-    state, context = pre.state, pre.taps
-    pos, bonus = len(prompt), int(pre.logits[-1].argmax())
+    state, context, pos, bonus = _prefill(target, prompt)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
         drafts = (draft or (lambda ctx, a, p: draft_logits(drafter, ctx, a, p).argmax(-1).tolist()))(context, bonus, pos)
@@ -95,9 +99,7 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
     down it. The tree is verified as its root-to-leaf paths batched in one forward: the Gated
     DeltaNet layers are recurrences, which an ancestor-only attention mask cannot express."""
     start = target.passes
-    pre = target.run(prompt, None, 0)
-    state, context = pre.state, pre.taps
-    pos, bonus = len(prompt), int(pre.logits[-1].argmax())
+    state, context, pos, bonus = _prefill(target, prompt)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
         logprobs = torch.log_softmax(draft_logits(drafter, context, bonus, pos), dim=-1)
