@@ -79,7 +79,10 @@ def extract_batches(rows: list[list[int]], num_shards: int, batch_tokens: int) -
 def bare_forward(target: Path, rows: list[list[int]], batch_tokens: int, num_shards: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    # The device and dtype extract picks by default: bf16 on a GPU, float32 on the CPU.
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
     batches = extract_batches(rows, num_shards, batch_tokens)
     times, tokens = [], 0
     start = time.perf_counter()
@@ -89,7 +92,9 @@ def bare_forward(target: Path, rows: list[list[int]], batch_tokens: int, num_sha
         for r, s in enumerate(batch):
             ids[r, :len(s[1])] = torch.tensor(s[1])
         t0 = time.perf_counter()
-        model(input_ids=ids, output_hidden_states=True)
+        model(input_ids=ids.to(device), output_hidden_states=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         tokens += sum(len(s[1]) for s in batch)
     seconds = time.perf_counter() - start

@@ -145,11 +145,19 @@ def read_path(cache: Path) -> dict:
 
 
 def matmul_flops(n: int = 1024, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    """float32 matmul FLOP/s on the device the train step uses."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        n, repeats = 8192, 20
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
     return 2 * n ** 3 * repeats / (time.perf_counter() - t0)
 
 

@@ -58,11 +58,12 @@ def setup(cache: Path):
     config = drafter_config(cfg, facts, target, reader.manifest["config"]["capture"]["target_layer_ids"])
     embed, head = frozen_target_modules(target)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config, embed=embed, lm_head=head)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     plan = make_plan(cfg, sum(reader.manifest["shards"][s]["samples"] for s in reader.shards), 1)
-    runner = StepRunner(cfg, plan, drafter, optimizer, params, torch.device("cpu"), 0, 1, gamma=cfg.gamma)
+    runner = StepRunner(cfg, plan, drafter, optimizer, params, device, 0, 1, gamma=cfg.gamma)
     return cfg, reader, runner
 
 
@@ -89,9 +90,10 @@ def per_anchor_step(runner, batch, cfg) -> float:
         parts = []
         for j in range(len(block_ids)):
             a = int(block_pos[j, 0])
-            logits = drafter(seq.taps[None, :a], block_ids[j][None], block_pos[j][None],
-                             torch.ones(1, b, a + b, dtype=torch.bool))
-            parts.append(weighted_ce(logits.view(1, b, -1), seq.labels[j:j + 1], seq.weights[j:j + 1])
+            d = runner.device
+            logits = drafter(seq.taps[None, :a].to(d), block_ids[j][None].to(d), block_pos[j][None].to(d),
+                             torch.ones(1, b, a + b, dtype=torch.bool, device=d))
+            parts.append(weighted_ce(logits.view(1, b, -1), seq.labels[j:j + 1].to(d), seq.weights[j:j + 1].to(d))
                          * seq.weights[j].sum())
         loss = torch.stack(parts).sum() / total_w
         loss.backward()
