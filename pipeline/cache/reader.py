@@ -21,7 +21,8 @@ from pipeline.errors import PipelineError
 
 
 class ShardReader:
-    def __init__(self, path: Path, hidden_format: str, *, chunk_cache_bytes: int = 0):
+    def __init__(self, path: Path, hidden_format: str, *, chunk_cache_bytes: int = 0,
+                 expected: tuple[int, int] | None = None):
         """`chunk_cache_bytes` > 0 keeps that many bytes of decoded chunks (least recently used
         dropped first): a shuffled pass over a shard whose samples are smaller than a chunk then
         decodes (and CRC-checks) each chunk once instead of once per sample."""
@@ -33,11 +34,25 @@ class ShardReader:
         self._arrays: dict = {}
         try:
             self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
+            if expected is not None:
+                self._check_declared_shapes(*expected)
             self.offsets = self.group["offsets"][:]
             self.sample_ids = self.group["sample_id"][:]
         except Exception as e:  # noqa: BLE001 - zarr raises many types; the message names the shard
             raise PipelineError(f"{path}: cannot open shard ({type(e).__name__}: {e})") from None
         self.row_of = {int(s): i for i, s in enumerate(self.sample_ids)}
+
+    def _check_declared_shapes(self, samples, tokens) -> None:
+        """Shapes a shard's metadata declares must match the manifest's counts before anything is
+        read: a shard is untrusted input, and a declared petabyte array must not be allocated."""
+        if not isinstance(samples, int) or not isinstance(tokens, int):
+            raise PipelineError(f"{self.path}: the manifest has no sample/token counts for this shard")
+        for name, array in self.group.arrays():
+            first = array.shape[0] if array.shape else None
+            want = samples + 1 if name == "offsets" else samples if name == "sample_id" else tokens
+            if first != want:
+                raise PipelineError(f"{self.path}/{name}: declares shape {tuple(array.shape)}, but the manifest "
+                                    f"records {samples} samples and {tokens} tokens")
 
     @property
     def num_samples(self) -> int:
@@ -117,9 +132,12 @@ class CacheReader:
         if manifest is None:
             raise PipelineError(f"{self.dir}: no manifest.json (not a cache, or no shard committed yet)")
         self.manifest = manifest
-        capture = manifest["config"]["capture"]
-        check_dims({"n_taps": len(capture["target_layer_ids"]), "hidden_size": capture["hidden_size"],
-                    "top_k": capture["top_k"], "vocab_size": capture["vocab_size"]})
+        try:
+            capture = manifest["config"]["capture"]
+            check_dims({"n_taps": len(capture["target_layer_ids"]), "hidden_size": capture["hidden_size"],
+                        "top_k": capture["top_k"], "vocab_size": capture["vocab_size"]})
+        except (KeyError, TypeError, ValueError) as e:
+            raise PipelineError(f"{self.dir / 'manifest.json'}: bad capture record ({type(e).__name__}: {e})") from None
         self.hidden_format = capture["hidden_format"]
         self.shards = sorted(manifest["shards"], key=shard_index)
 
@@ -127,7 +145,9 @@ class CacheReader:
         name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
         if name not in self.manifest["shards"]:
             raise PipelineError(f"{self.dir}: {name} is not a committed shard")
-        return ShardReader(self.dir / name, self.hidden_format, chunk_cache_bytes=chunk_cache_bytes)
+        record = self.manifest["shards"][name]
+        return ShardReader(self.dir / name, self.hidden_format, chunk_cache_bytes=chunk_cache_bytes,
+                           expected=(record.get("samples"), record.get("tokens")))
 
     def find(self, sample_id: int) -> ShardReader:
         for name in self.shards:

@@ -1,0 +1,93 @@
+"""Caches and checkpoints are untrusted input (issue 9, security): nothing is unpickled, names
+from a manifest cannot leave the cache, declared sizes are bounded before any allocation."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import zarr
+
+from extract_helpers import cli, write_rows
+from pipeline.cache.reader import CacheReader
+from pipeline.config import ExtractConfig
+from pipeline.errors import PipelineError
+from stages.extract import run_extract
+from stages.train import resolve_config, run_train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, train_rows):
+    root = tmp_path_factory.mktemp("untrusted")
+    data = write_rows(root / "convs.jsonl", train_rows[:40])
+    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=1), None, progress=False)
+    return root / "cache"
+
+
+def edited(cache, tmp_path, change):
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    change(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("name", ["../shard-00000", "/etc/passwd", "shard-00000/../../x", "shard-1"])
+def test_shard_names_cannot_leave_the_cache(cache, tmp_path, name):
+    def change(m):
+        m["shards"][name] = m["shards"].pop("shard-00000")
+    bad = edited(cache, tmp_path, change)
+    with pytest.raises(PipelineError, match="invalid shard name"):
+        CacheReader(bad)
+    result = cli("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1")
+    assert result.returncode == 1 and "invalid shard name" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_declared_huge_hidden_size_is_refused_before_allocation(cache, tmp_path):
+    bad = edited(cache, tmp_path, lambda m: m["config"]["capture"].update(hidden_size=10**12))
+    with pytest.raises(PipelineError, match=r"manifest.json: bad capture record .*hidden_size=1000000000000"):
+        CacheReader(bad)
+
+
+def test_a_shard_declaring_a_petabyte_array_is_refused_before_reading(cache, tmp_path):
+    bad = tmp_path / "cache"
+    shutil.copytree(cache, bad)
+    meta = bad / "shard-00000" / "hidden" / "zarr.json"
+    spec = json.loads(meta.read_text())
+    spec["shape"] = [10**15, *spec["shape"][1:]]
+    meta.write_text(json.dumps(spec))
+    reader = CacheReader(bad)
+    with pytest.raises(PipelineError, match=r"hidden: declares shape \(1000000000000000, 3, 128\)"):
+        reader.shard("shard-00000")
+
+
+def test_a_pickled_checkpoint_is_never_executed(cache, tmp_path):
+    cfg, preset = resolve_config(None, {"cache": str(cache), "out": str(tmp_path / "run"), "max_steps": 1,
+                                        "batch_sequences": 4, "micro_batch_sequences": 4})
+    run_train(cfg, preset_target=preset, warn=lambda *_: None)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    checkpoint = next((tmp_path / "run" / "checkpoints").iterdir())
+    torch.save({"state": {}, "param_groups": [], "evil": Payload()}, checkpoint / "optimizer.pt")
+    with pytest.raises(PipelineError, match="optimizer or RNG state unreadable"):
+        run_train(cfg, preset_target=preset, warn=lambda *_: None)
+    assert not marker.exists()
+
+
+def test_offsets_array_is_bounded_too(cache, tmp_path):
+    bad = tmp_path / "cache"
+    shutil.copytree(cache, bad)
+    group = zarr.open_group(str(bad / "shard-00000"), mode="r")
+    assert group["offsets"].shape[0] == 41  # 40 samples + 1
+    meta = bad / "shard-00000" / "offsets" / "zarr.json"
+    spec = json.loads(meta.read_text())
+    spec["shape"] = [2**50]
+    meta.write_text(json.dumps(spec))
+    with pytest.raises(PipelineError, match="offsets: declares shape"):
+        CacheReader(bad).shard(0)
