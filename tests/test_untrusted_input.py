@@ -61,6 +61,10 @@ def test_a_shard_declaring_a_petabyte_array_is_refused_before_reading(cache, tmp
     reader = CacheReader(bad)
     with pytest.raises(PipelineError, match=r"hidden: declares shape \(1000000000000000, 3, 128\)"):
         reader.shard("shard-00000")
+    verified = cli("verify-cache", str(bad), "--json")   # reported as a failed check, nothing allocated
+    assert verified.returncode == 1
+    structure = next(c for c in json.loads(verified.stdout)["checks"] if c["check"] == "structure")
+    assert structure["status"] == "fail" and "declares shape (1000000000000000, 3, 128)" in json.dumps(structure)
 
 
 def test_a_pickled_checkpoint_is_never_executed(cache, tmp_path):

@@ -42,6 +42,14 @@ def dims_of(manifest: dict) -> dict[str, int]:
     return {"n_taps": len(cap["target_layer_ids"]), "hidden_size": cap["hidden_size"], "top_k": cap["top_k"]}
 
 
+def _sound_shard(reader: CacheReader, name: str) -> ShardReader | None:
+    record = reader.manifest["shards"][name]
+    try:
+        return ShardReader(reader.dir / name, reader.hidden_format, expected=(record.get("samples"), record.get("tokens")))
+    except PipelineError:
+        return None
+
+
 def check_structure(reader: CacheReader, shards: list[str]) -> Check:
     """Every listed shard exists; counts, offsets, dtypes, shapes and chunking are as declared."""
     problems, specs = [], array_specs(reader.hidden_format)
@@ -53,7 +61,8 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
             problems.append(f"{name}: listed in the manifest but missing on disk")
             continue
         try:
-            shard = ShardReader(path, reader.hidden_format)
+            # Declared shapes are checked against the manifest before anything is read.
+            shard = ShardReader(path, reader.hidden_format, expected=(record.get("samples"), record.get("tokens")))
         except PipelineError as e:
             problems.append(str(e))
             continue
@@ -111,7 +120,9 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
     for name in shards:
         if not (reader.dir / name).is_dir():
             continue
-        shard = ShardReader(reader.dir / name, reader.hidden_format)
+        shard = _sound_shard(reader, name)
+        if shard is None:
+            continue  # its declared shapes disagree with the manifest: reported by check_structure
         for spec in array_specs(reader.hidden_format):
             arr = shard.group[spec.name]
             step = arr.chunks[0]
@@ -168,7 +179,9 @@ def check_alignment(reader: CacheReader, shards: list[str]) -> tuple[Check, Chec
     for name in shards:
         if not (reader.dir / name).is_dir():
             continue
-        shard = ShardReader(reader.dir / name, reader.hidden_format)
+        shard = _sound_shard(reader, name)
+        if shard is None:
+            continue  # its declared shapes disagree with the manifest: reported by check_structure
         for lo, hi in sample_windows(shard.offsets):
             a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
             try:

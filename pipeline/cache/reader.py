@@ -52,7 +52,7 @@ class ShardReader:
             want = samples + 1 if name == "offsets" else samples if name == "sample_id" else tokens
             if first != want:
                 raise PipelineError(f"{self.path}/{name}: declares shape {tuple(array.shape)}, but the manifest "
-                                    f"records {samples} samples and {tokens} tokens")
+                                    f"says {samples} samples and {tokens} tokens")
 
     @property
     def num_samples(self) -> int:
