@@ -24,6 +24,16 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def small_cache(root: Path, rows: list[dict], num_shards: int) -> Path:
+    """A cache at root/cache of the given conversations, extracted in-process with defaults."""
+    from pipeline.config import ExtractConfig
+    from stages.extract import run_extract
+
+    data = write_rows(root / "convs.jsonl", rows)
+    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=num_shards), None, progress=False)
+    return root / "cache"
+
+
 def cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `python -m cli ...` in a subprocess, as a user would run `pipeline ...`."""
     full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from extract_helpers import cli, write_rows
+from extract_helpers import cli, small_cache
 
 from pipeline.config import ExtractConfig
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
@@ -23,8 +23,7 @@ EOS = {498}
 def trained(tmp_path_factory, train_rows):
     """A drafter trained briefly on the embedded target's cache (the run directory)."""
     root = tmp_path_factory.mktemp("eval")
-    data = write_rows(root / "convs.jsonl", train_rows[:400])
-    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=2), None, progress=False)
+    small_cache(root, train_rows[:400], 2)
     cfg, preset_target = resolve_config(None, {"cache": str(root / "cache"), "out": str(root / "run"), "max_steps": 150})
     run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
     return root / "run"

@@ -12,16 +12,14 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import REPO, cli, torchrun, write_rows
+from extract_helpers import REPO, cli, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
-from pipeline.config import ExtractConfig
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.drafter.export import load_drafter
 from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.errors import PipelineError
 from pipeline.target import read_target_facts
-from stages.extract import run_extract
 from stages.train import drafter_config, frozen_target_modules, resolve_config, run_train
 
 DESIGN_KEYS = {"step", "epoch", "loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4",
@@ -31,10 +29,7 @@ SAME = ("step", "epoch", "loss", "accuracy", "top4_acc", "avg_streak", "ddtree_s
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, train_rows):
-    root = tmp_path_factory.mktemp("train")
-    data = write_rows(root / "convs.jsonl", train_rows[:240])
-    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=2), None, progress=False)
-    return root / "cache"
+    return small_cache(tmp_path_factory.mktemp("train"), train_rows[:240], 2)
 
 
 def train(cache, out, **overrides):

@@ -8,20 +8,15 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import cli, write_rows
+from extract_helpers import cli, small_cache
 from pipeline.cache.reader import CacheReader
-from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
-from stages.extract import run_extract
 from stages.train import resolve_config, run_train
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, train_rows):
-    root = tmp_path_factory.mktemp("untrusted")
-    data = write_rows(root / "convs.jsonl", train_rows[:40])
-    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=1), None, progress=False)
-    return root / "cache"
+    return small_cache(tmp_path_factory.mktemp("untrusted"), train_rows[:40], 1)
 
 
 def edited(cache, tmp_path, change):
