@@ -244,7 +244,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     if found:
         state = read_state(found[-1])
         _check_resumable(found[-1], state, cfg, identity)
-        state = load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer, device=device)
+        load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer, device=device)
         step, epoch, position = state["step"], state["epoch"], state["position"]
         elapsed0, tokens0 = state.get("elapsed_s", 0.0), state.get("tokens_seen", 0)
     if rank == 0:

@@ -25,6 +25,7 @@ from pipeline.cache.checks import (
     check_provenance,
     check_structure,
     open_cache,
+    sound_shards,
 )
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import shard_name
@@ -231,7 +232,7 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
         raise PipelineError("--recompute needs --target: the target recorded in the manifest is not readable here")
     # Content checks read samples; a shard whose declared shapes disagree with the manifest is
     # reported by the structure check above and not read further.
-    present = [s for s in selected if (reader.dir / s).is_dir() and _opens(reader, s)]
+    present = [name for name, _ in sound_shards(reader, selected)]
     if target_dir is not None and present:
         tokenizer = load_tokenizer(target_dir)
         model = load_model(target_dir) if recompute else None
@@ -249,14 +250,6 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
     return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _opens(reader, name: str) -> bool:
-    try:
-        reader.shard(name)
-        return True
-    except PipelineError:
-        return False
 
 
 def show_sample(cache_dir: Path, sample_id: int, target: Path | None):

@@ -42,12 +42,18 @@ def dims_of(manifest: dict) -> dict[str, int]:
     return {"n_taps": len(cap["target_layer_ids"]), "hidden_size": cap["hidden_size"], "top_k": cap["top_k"]}
 
 
-def _sound_shard(reader: CacheReader, name: str) -> ShardReader | None:
-    record = reader.manifest["shards"][name]
-    try:
-        return ShardReader(reader.dir / name, reader.hidden_format, expected=(record.get("samples"), record.get("tokens")))
-    except PipelineError:
-        return None
+def sound_shards(reader: CacheReader, shards: list[str]):
+    """(name, ShardReader) for the shards that exist and whose declared shapes match the manifest;
+    the others are reported by check_structure and never read."""
+    for name in shards:
+        record = reader.manifest["shards"][name]
+        if not (reader.dir / name).is_dir():
+            continue
+        try:
+            yield name, ShardReader(reader.dir / name, reader.hidden_format,
+                                    expected=(record.get("samples"), record.get("tokens")))
+        except PipelineError:
+            continue
 
 
 def check_structure(reader: CacheReader, shards: list[str]) -> Check:
@@ -117,12 +123,7 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
     nan, inf = np.zeros(n_taps, dtype=np.int64), np.zeros(n_taps, dtype=np.int64)
     decoded = total = 0
     failures = []
-    for name in shards:
-        if not (reader.dir / name).is_dir():
-            continue
-        shard = _sound_shard(reader, name)
-        if shard is None:
-            continue  # its declared shapes disagree with the manifest: reported by check_structure
+    for name, shard in sound_shards(reader, shards):
         for spec in array_specs(reader.hidden_format):
             arr = shard.group[spec.name]
             step = arr.chunks[0]
@@ -176,12 +177,7 @@ def check_alignment(reader: CacheReader, shards: list[str]) -> tuple[Check, Chec
     counts = {-1: 0, 0: 0, 1: 0}
     topk_problems = {"argmax_not_top1": 0, "logits_not_sorted": 0, "logsumexp_below_max": 0}
     tokens = 0
-    for name in shards:
-        if not (reader.dir / name).is_dir():
-            continue
-        shard = _sound_shard(reader, name)
-        if shard is None:
-            continue  # its declared shapes disagree with the manifest: reported by check_structure
+    for name, shard in sound_shards(reader, shards):
         for lo, hi in sample_windows(shard.offsets):
             a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
             try:

@@ -77,11 +77,10 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def load_checkpoint(path: Path, *, drafter, optimizer, device) -> dict:
-    """Restore drafter, optimizer and RNG in place; return the trainer state."""
+def load_checkpoint(path: Path, *, drafter, optimizer, device) -> None:
+    """Restore drafter, optimizer and RNG in place (the trainer state is `read_state`'s)."""
     from safetensors.torch import load_file
 
-    state = read_state(path)
     saved = read_config(path / "drafter")
     if saved != drafter.config:
         raise PipelineError(f"{path}/drafter/config.json: the checkpoint's drafter does not match this run's config")
@@ -98,4 +97,3 @@ def load_checkpoint(path: Path, *, drafter, optimizer, device) -> dict:
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return state
