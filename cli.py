@@ -45,6 +45,15 @@ def _user_errors(fn):
             from pipeline.ui import error
             error(str(e))
             raise typer.Exit(1) from None
+        except OSError as e:
+            # A full disk or a quota can strike any write (a log line, a lock file): one line
+            # naming the file, not a traceback. Other OS errors keep theirs: they may be bugs.
+            from pipeline.cache.files import STORAGE_ERRNOS, describe_os_error
+            if _state["debug"] or e.errno not in STORAGE_ERRNOS:
+                raise
+            from pipeline.ui import error
+            error(f"{e.filename or 'a write'}: {describe_os_error(e)}")
+            raise typer.Exit(1) from None
     return wrapper
 
 
@@ -64,7 +73,7 @@ def extract(
     top_k: Annotated[Optional[int], typer.Option(help="Target top-k ids/logits stored per token (default 32).")] = None,
     hidden_format: Annotated[Optional[str], typer.Option(help="'bf16' (lossless bit pattern) or 'fp8' (e4m3 + per-token scale).")] = None,
     max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; longer ones follow --overlong.")] = None,
-    overlong: Annotated[Optional[str], typer.Option(help="'truncate' or 'skip' over-long samples.")] = None,
+    overlong: Annotated[Optional[str], typer.Option(help="'truncate' (default), 'skip' or 'error' on over-long samples ('error' stops at the first one, when its shard is reached).")] = None,
     on_error: Annotated[Optional[str], typer.Option(help="'fail' (default) or 'skip' malformed rows (counted in the manifest).")] = None,
     batch_tokens: Annotated[Optional[int], typer.Option(help="Forward batch budget in tokens, padding included.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,

@@ -27,7 +27,7 @@ class ExtractConfig:
     top_k: int = 32
     hidden_format: str = "bf16"                   # "bf16" | "fp8"
     max_length: int = 4096
-    overlong: str = "truncate"                    # "truncate" | "skip"
+    overlong: str = "truncate"                    # "truncate" | "skip" | "error"
     on_error: str = "fail"                        # "fail" | "skip"
     end_of_turn: str = "<|im_end|>"
     chat_template_kwargs: dict = field(default_factory=dict)   # e.g. {enable_thinking = false}
@@ -46,7 +46,7 @@ class ExtractConfig:
             (1 <= self.top_k <= 1024, f"top_k must be in 1..1024, got {self.top_k}"),
             (self.hidden_format in ("bf16", "fp8"), f"hidden_format must be 'bf16' or 'fp8', got {self.hidden_format!r}"),
             (self.max_length >= 2, f"max_length must be >= 2, got {self.max_length}"),
-            (self.overlong in ("truncate", "skip"), f"overlong must be 'truncate' or 'skip', got {self.overlong!r}"),
+            (self.overlong in ("truncate", "skip", "error"), f"overlong must be 'truncate', 'skip' or 'error', got {self.overlong!r}"),
             (self.on_error in ("fail", "skip"), f"on_error must be 'fail' or 'skip', got {self.on_error!r}"),
             (self.compute_dtype in ("auto", "float32", "bfloat16"), f"compute_dtype must be auto/float32/bfloat16, got {self.compute_dtype!r}"),
             (self.batch_tokens >= 1, f"batch_tokens must be >= 1, got {self.batch_tokens}"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,11 @@ def read_target_facts(path: str | Path) -> TargetFacts:
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise PipelineError(f"{path}: not a target model directory (no config.json)")
+        hint = ""
+        if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+            hint = (f"; it looks like a Hub id, and nothing is downloaded at run time: fetch it first "
+                    f"(hf download {path} --local-dir DIR) and pass DIR")
+        raise PipelineError(f"{path}: not a target model directory (no config.json){hint}")
     raw = config_file.read_bytes()
     try:
         config = json.loads(raw)
@@ -59,6 +64,9 @@ def read_target_facts(path: str | Path) -> TargetFacts:
     return facts
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -73,6 +81,10 @@ def load_tokenizer(path: Path):
     _quiet_transformers()
     if not (path / "config.json").is_file():
         raise PipelineError(f"{path}: not a target model directory (no config.json)")
+    # Without its files AutoTokenizer can still build an empty tokenizer from the config, and
+    # every conversation would then silently tokenize to nothing: refuse up front.
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise PipelineError(f"{path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}) in the target directory")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:

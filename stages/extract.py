@@ -29,6 +29,7 @@ from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import Layout, init_layout
 from pipeline.errors import PipelineError
+from pipeline.faults import failpoint
 from pipeline.provenance import (
     KernelCallCounter,
     environment,
@@ -145,6 +146,9 @@ def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenize
                 counts["malformed"] += 1
                 continue
         if len(ids) > cfg.max_length:
+            if cfg.overlong == "error":
+                raise PipelineError(f"{item.where}: {len(ids)} tokens, over max_length {cfg.max_length} "
+                                    "(--overlong truncate or skip to accept such rows)")
             if cfg.overlong == "skip":
                 counts["overlong_skipped"] += 1
                 continue
@@ -321,6 +325,7 @@ class _ShardRun:
         for batch in length_batches(samples, cfg.batch_tokens):
             with counter:
                 outs = self.capture([s[1] for s in batch])
+            failpoint("extract.batch")
             if writer is not None:
                 self.background.submit(lambda b=batch, o=outs: [
                     writer.append(sid, encode_rows(cfg, ids, mask, out)) for (sid, ids, mask), out in zip(b, o)])
@@ -337,7 +342,12 @@ class _ShardRun:
         try:
             record = writer.commit()
             name = shard_name(shard)
-            update_manifest(self.cache_dir, lambda m: {**m, "shards": {**m["shards"], name: record}})
+            try:
+                update_manifest(self.cache_dir, lambda m: {**m, "shards": {**m["shards"], name: record}})
+            except PipelineError as e:
+                raise PipelineError(f"{name}: written but not listed, so not committed: {e}; make room, then "
+                                    "re-run the same command to resume") from None
+            failpoint("extract.listed")  # listed, lock still held
             self.records.append(record)
         finally:
             lock.release()

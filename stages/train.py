@@ -247,6 +247,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer, device=device)
         step, epoch, position = state["step"], state["epoch"], state["position"]
         elapsed0, tokens0 = state.get("elapsed_s", 0.0), state.get("tokens_seen", 0)
+    start_step = step
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _trim_log(out / "train_log.jsonl", step)
@@ -316,7 +317,8 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     return {"steps": step, "total_steps": plan.total_steps, "epochs": round(step / plan.steps_per_epoch, 3),
             "last": last, "out": str(out), "drafter": str(out / "drafter"), "world_size": world,
             "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
-            "wall_s": round(time.perf_counter() - t_start, 2), "resumed": bool(found)}
+            "wall_s": round(time.perf_counter() - t_start, 2), "resumed": bool(found),
+            "resumed_from_step": start_step if found else None}
 
 
 @dataclass

@@ -69,8 +69,35 @@ def test_target_info_human_output_is_a_table():
     assert "Qwen3_5ForCausalLM" in result.output and "agreement" in result.output
 
 
+NETWORK_GUARD = """
+import os, socket
+
+def _refuse(*args, **kwargs):
+    with open(os.environ["NETWORK_ATTEMPTS"], "a") as f:
+        f.write(repr(args[1:]) + "\\n")
+    raise OSError("network access refused by the test")
+
+for _name in ("connect", "connect_ex", "sendto"):
+    _orig = getattr(socket.socket, _name)
+    def _guarded(self, *args, _orig=_orig):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            return _refuse(self, *args)
+        return _orig(self, *args)
+    setattr(socket.socket, _name, _guarded)
+socket.getaddrinfo = _refuse
+"""
+
+
 def test_quick_demo_runs_the_whole_pipeline(tmp_path):
-    result = cli("demo", "--quick", "--out", str(tmp_path / "demo"), "--json")
+    """Every stage (extract, verify-cache, train, eval, report) with the network refused and
+    logged, and the hub allowed (HF_HUB_OFFLINE=0): nothing may need or try a connection."""
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(NETWORK_GUARD)
+    attempts = tmp_path / "network-attempts.log"
+    env = {"PYTHONPATH": str(guard), "NETWORK_ATTEMPTS": str(attempts), "HF_HUB_OFFLINE": "0"}
+    result = cli("demo", "--quick", "--out", str(tmp_path / "demo"), "--json", env=env)
+    assert not attempts.exists(), attempts.read_text()
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
     assert summary["verify"]["passed"] and summary["eval"]["lossless"]
@@ -100,3 +127,9 @@ def test_console_script_is_installed():
     assert exe, "the `pipeline` console script is not on PATH (pip install the package)"
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "verify-cache" in result.stdout
+
+
+def test_a_hub_id_is_refused_with_a_download_hint():
+    result = invoke("target-info", "Qwen/Qwen3.6-27B")
+    assert result.exit_code == 1
+    assert "looks like a Hub id" in result.output and "hf download Qwen/Qwen3.6-27B" in result.output

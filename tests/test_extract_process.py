@@ -94,11 +94,13 @@ def test_two_processes_never_write_one_shard(tmp_path, data, reference):
 
 
 BAD_ROWS = [
-    ("malformed.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "malformed.jsonl:2: malformed JSON"),
+    ("malformed.jsonl", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n{"messages": [\n', "malformed.jsonl:2: malformed JSON"),
     ("nomessages.jsonl", b'{"text": "hello"}\n', "nomessages.jsonl:1: row has none of 'messages'"),
     ("role.jsonl", b'{"messages": [{"role": "tool", "content": "x"}]}\n', "role.jsonl:1: messages[0].role is 'tool'"),
     ("content.jsonl", b'{"messages": [{"role": "user", "content": 5}]}\n', "content.jsonl:1: messages[0].content must be a string"),
-    ("binary.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n\xff\xfe\n', "binary.jsonl:2: not valid UTF-8"),
+    ("binary.jsonl", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n\xff\xfe\n', "binary.jsonl:2: not valid UTF-8"),
+    ("noassistant.jsonl", b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}\n',
+     "noassistant.jsonl:1: field 'messages' has no assistant turn"),
     ("empty.jsonl", b"\n\n", "the dataset has no rows"),
     ("pretok.jsonl", b'{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}\n', "pretok.jsonl:1: field 'loss_mask' must be"),
 ]
@@ -132,19 +134,36 @@ def test_bad_options_are_one_clear_line(tmp_path, data, args, message):
     assert not (cache / "manifest.json").exists()
 
 
-def test_target_without_weights(tmp_path, data, embedded):
+@pytest.mark.parametrize("remove, message", [
+    (["model.safetensors"], "no weight files"),
+    (["tokenizer.json", "tokenizer_config.json"], "no tokenizer files"),
+])
+def test_target_without_weights_or_tokenizer(tmp_path, data, embedded, remove, message):
     import shutil
     target = tmp_path / "target"
     shutil.copytree(embedded.TARGET_DIR, target)
-    (target / "model.safetensors").unlink()
+    for name in remove:
+        (target / name).unlink()
     result = cli("extract", "--cache", str(tmp_path / "cache"), "--data", str(data), "--target", str(target))
-    assert result.returncode == 1 and "no weight files" in result.stderr, result.stderr
+    assert result.returncode == 1 and message in result.stderr and str(target) in result.stderr, result.stderr
+    assert not (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_an_over_long_sample_is_an_error_when_asked(tmp_path, data):
+    cache = tmp_path / "cache"
+    result = cli("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--max-length", "20",
+                 "--overlong", "error")
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"{data}:1: " in lines[0] and "over max_length 20" in lines[0], result.stderr
+    assert manifest(cache)["shards"] == {} and not list(cache.glob(".shard-*.tmp"))
 
 
 def test_skip_policies_are_counted(tmp_path, train_rows):
     rows = [json.dumps(r) for r in train_rows[:6]]
     rows.insert(2, "{not json")
     rows.append(json.dumps({"messages": [{"role": "user", "content": "no answer here"}]}))
+    rows.append(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}))
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(rows) + "\n")
     cache = tmp_path / "cache"
@@ -152,10 +171,10 @@ def test_skip_policies_are_counted(tmp_path, train_rows):
                  "--max-length", "60", "--overlong", "skip", "--json")
     assert result.returncode == 0, result.stderr
     counts = manifest(cache)["shards"]["shard-00000"]["counts"]
-    assert counts["rows"] == 8 and counts["malformed"] == 1 and counts["no_supervised_tokens"] == 1
+    assert counts["rows"] == 9 and counts["malformed"] == 2 and counts["no_supervised_tokens"] == 1
     assert counts["overlong_skipped"] >= 1
     summary = json.loads(result.stdout)
-    assert summary["samples"] == 8 - 1 - 1 - counts["overlong_skipped"]
+    assert summary["samples"] == 9 - 2 - 1 - counts["overlong_skipped"]
 
 
 def test_tensor_parallel_2_matches_one_process(tmp_path, data, reference):

@@ -15,6 +15,7 @@ import zarr
 from extract_helpers import REPO, cli, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
+from pipeline.drafter.checkpoint import list_checkpoints
 from pipeline.drafter.export import load_drafter
 from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter
@@ -154,9 +155,23 @@ def test_label_alignment_planted_vs_shifted_by_one(cache, tmp_path):
 RUN = ["--max-steps", "30", "--log-every", "1", "--checkpoint-every", "10", "--json"]
 
 
-def test_resume_after_kill_continues_identically(cache, tmp_path):
-    whole = cli("train", "--cache", str(cache), "--out", str(tmp_path / "whole"), *RUN)
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("whole") / "run"
+    whole = cli("train", "--cache", str(cache), "--out", str(run), *RUN)
     assert whole.returncode == 0, whole.stderr
+    return run
+
+
+def assert_resumed_identically(run, whole):
+    a, b = read_log(whole), read_log(run)
+    assert [x["step"] for x in b] == list(range(1, 31))
+    for x, y in zip(a, b):
+        assert {k: x[k] for k in SAME} == {k: y[k] for k in SAME}, x["step"]
+    assert (run / "drafter" / "model.safetensors").read_bytes() == (whole / "drafter" / "model.safetensors").read_bytes()
+
+
+def test_resume_after_kill_continues_identically(cache, tmp_path, uninterrupted):
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "cli", "train", "--cache", str(cache), "--out", str(run), *RUN],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -173,11 +188,39 @@ def test_resume_after_kill_continues_identically(cache, tmp_path):
     resumed = cli("train", "--cache", str(cache), "--out", str(run), *RUN)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["resumed"] is True
-    a, b = read_log(tmp_path / "whole"), read_log(run)
-    assert [x["step"] for x in b] == list(range(1, 31))
-    for x, y in zip(a, b):
-        assert {k: x[k] for k in SAME} == {k: y[k] for k in SAME}, x["step"]
-    assert (run / "drafter" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "drafter" / "model.safetensors").read_bytes()
+    assert_resumed_identically(run, uninterrupted)
+
+
+@pytest.mark.parametrize("failpoint, complete, resumes_from", [
+    ("checkpoint.written@2", ["step-00000010"], 10),                    # files written, not fsynced or renamed
+    ("checkpoint.renamed@2", ["step-00000010", "step-00000020"], 20),   # renamed, older ones not yet pruned
+])
+def test_kill_9_during_a_checkpoint_write(cache, tmp_path, uninterrupted, failpoint, complete, resumes_from):
+    run = tmp_path / "killed"
+    killed = cli("train", "--cache", str(cache), "--out", str(run), *RUN,
+                 env={"PIPELINE_FAILPOINT": failpoint})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [p.name for p in list_checkpoints(run)] == complete
+    half_written = list((run / "checkpoints").glob(".step-*.tmp-*"))
+    assert bool(half_written) == (resumes_from == 10)
+    resumed = cli("train", "--cache", str(cache), "--out", str(run), *RUN)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads(resumed.stdout)
+    assert summary["resumed"] is True and summary["resumed_from_step"] == resumes_from, summary
+    assert not list((run / "checkpoints").glob(".step-*.tmp-*"))
+    assert_resumed_identically(run, uninterrupted)
+
+
+def test_a_damaged_checkpoint_is_a_clear_error(cache, tmp_path, uninterrupted):
+    run = tmp_path / "damaged"
+    shutil.copytree(uninterrupted, run)
+    latest = list_checkpoints(run)[-1]
+    weights = latest / "drafter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (run / "drafter").rename(run / "drafter-old")  # make the run look unfinished
+    result = cli("train", "--cache", str(cache), "--out", str(run), *RUN[:-1])
+    assert result.returncode == 1
+    assert f"{weights}: unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_two_process_ddp_matches_one_process(cache, tmp_path):

@@ -90,3 +90,16 @@ def test_offsets_array_is_bounded_too(cache, tmp_path):
     meta.write_text(json.dumps(spec))
     with pytest.raises(PipelineError, match="offsets: declares shape"):
         CacheReader(bad).shard(0)
+
+
+@pytest.mark.parametrize("command", ["train", "extract", "verify-cache"])
+def test_a_manifest_of_an_unknown_schema_version_is_refused(cache, tmp_path, command):
+    bad = edited(cache, tmp_path, lambda m: m.update(schema_version=99))
+    before = (bad / "manifest.json").read_bytes()
+    args = {"train": ["--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1"],
+            "extract": ["--cache", str(bad), "--num-shards", "1"], "verify-cache": [str(bad)]}[command]
+    result = cli(command, *args)
+    assert result.returncode == 1, result.stderr
+    assert "schema_version 99 is not supported" in result.stdout + result.stderr
+    assert (bad / "manifest.json").read_bytes() == before, "a refused cache is never rewritten"
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.faults import failpoint
+
+_REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file size limit reached (ulimit -f)", errno.EROFS: "read-only file system"}
+STORAGE_ERRNOS = frozenset(_REASONS)
+
+
+def describe_os_error(e: OSError) -> str:
+    return _REASONS.get(e.errno, e.strerror or str(e))
 
 
 def fsync_tree(root: Path) -> None:
@@ -30,14 +42,20 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json_atomic(path: Path, data) -> None:
+    """Write to a temporary, fsync, rename: readers see the old file or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        failpoint("json.written")
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PipelineError(f"{path}: write failed ({describe_os_error(e)}); the previous version is intact") from None
 
 
 def tree_digest(root: Path) -> str:

@@ -48,6 +48,10 @@ def validate_manifest(manifest, path: Path) -> None:
 def update_manifest(cache_dir: Path, change: Callable[[dict | None], dict]) -> dict:
     """Apply `change` to the current manifest (None if absent) under the lock; write the result."""
     with FileLock(cache_dir / MANIFEST_LOCK):
+        # Only a holder of this lock writes a temporary manifest: any found now is from a
+        # process killed mid-update, and the manifest it meant to replace is still whole.
+        for stale in cache_dir.glob(f".{MANIFEST}.tmp-*"):
+            stale.unlink(missing_ok=True)
         manifest = change(read_manifest(cache_dir))
         manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_json_atomic(cache_dir / MANIFEST, manifest)

@@ -11,6 +11,7 @@ waits on compression or the disk unless the queue is full.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import shutil
@@ -21,18 +22,36 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from pipeline.cache.files import fsync_dir, fsync_tree, tree_bytes, tree_digest
+from pipeline.cache.files import describe_os_error, fsync_dir, fsync_tree, tree_bytes, tree_digest
 from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape, shard_name, temp_shard_name
+from pipeline.errors import PipelineError
+from pipeline.faults import failpoint
+
+
+def _storage_errors(method):
+    """A full disk, a quota or a file-size limit becomes one line naming the shard; the partial
+    shard is removed (it could never be listed, and its space may be what the user needs)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise PipelineError(f"{self.cache_dir / shard_name(self.index)}: write failed ({describe_os_error(e)}); "
+                                "the shard is not committed and the cache is consistent: make room, then re-run "
+                                "the same command to resume") from None
+    return wrapped
 
 
 class ShardWriter:
+    @_storage_errors
     def __init__(self, cache_dir: Path, index: int, *, dims: dict[str, int], hidden_format: str,
                  zstd_level: int = 3, attrs: dict | None = None, num_tokens: int | None = None):
         """num_tokens: the shard's final token count when known up front; the arrays are then
         created at full size and never resized (half the metadata writes)."""
         self.cache_dir = Path(cache_dir)
         self.index = index
-        self.tmp = self.cache_dir / temp_shard_name(index)
+        self.tmp = self.cache_dir / temp_shard_name(index)  # set before anything can fail (see _storage_errors)
         if self.tmp.exists():
             shutil.rmtree(self.tmp)  # a crashed earlier attempt: redo, never append to it
         self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
@@ -60,6 +79,7 @@ class ShardWriter:
         self.offsets = [0]
         self.sample_ids: list[int] = []
 
+    @_storage_errors
     def append(self, sample_id: int, rows: dict[str, np.ndarray]) -> None:
         """Add one sample; `rows` holds every per-token array, all with the same length."""
         lengths = {name: len(rows[name]) for name in self.token_arrays}
@@ -88,11 +108,13 @@ class ShardWriter:
         elif start + take > self.num_tokens:
             raise ValueError(f"{shard_name(self.index)}: more tokens than the {self.num_tokens} announced")
         arr[start:start + take] = data[:take]
+        failpoint("writer.chunk")
         self.written[name] = start + take
         rest = data[take:]
         self.buffers[name] = [rest] if len(rest) else []
         self.buffered[name] = len(rest)
 
+    @_storage_errors
     def commit(self) -> dict:
         if not self.sample_ids:
             raise ValueError(f"{shard_name(self.index)}: refusing to commit an empty shard")
@@ -113,6 +135,7 @@ class ShardWriter:
         }
         self.group.attrs.update({"shard": shard_name(self.index), **record})
         fsync_tree(self.tmp)
+        failpoint("writer.fsynced")
         record["bytes"] = tree_bytes(self.tmp)
         record["digest"] = "sha256:" + tree_digest(self.tmp)
         final = self.cache_dir / shard_name(self.index)
@@ -120,6 +143,7 @@ class ShardWriter:
             shutil.rmtree(final)  # an unlisted leftover of a run that died before the manifest update
         os.replace(self.tmp, final)
         fsync_dir(self.cache_dir)
+        failpoint("writer.renamed")  # committed on disk, not yet listed in the manifest
         return record
 
 

@@ -139,6 +139,8 @@ def parse_row(sample_id: int, where: str, obj) -> Row:
         if not isinstance(content, str):
             raise PipelineError(f"{where}: {field}[{i}].{content_key} must be a string, got {type(content).__name__}")
         messages.append({"role": roles[role], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise PipelineError(f"{where}: field '{field}' has no assistant turn, so nothing to learn from")
     return Row(sample_id=sample_id, where=where, messages=messages)
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cache.files import fsync_dir, fsync_tree
+from pipeline.cache.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.drafter.export import export_drafter, read_config
 from pipeline.errors import PipelineError
+from pipeline.faults import failpoint
 
 STATE_VERSION = 1
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -36,19 +37,27 @@ def save_checkpoint(run: Path, *, step: int, drafter, optimizer, state: dict, ke
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    export_drafter(drafter, tmp / "drafter")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"version": STATE_VERSION, "step": step, **state}, indent=2) + "\n")
-    fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        export_drafter(drafter, tmp / "drafter")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"version": STATE_VERSION, "step": step, **state}, indent=2) + "\n")
+        failpoint("checkpoint.written")
+        fsync_tree(tmp)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = describe_os_error(e) if isinstance(e, OSError) else str(e).splitlines()[0]
+        raise PipelineError(f"{final}: checkpoint write failed ({reason}); the last complete checkpoint is "
+                            "kept: make room, then re-run the same command to resume") from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
+    failpoint("checkpoint.renamed")
     for old in list_checkpoints(run)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -84,7 +93,11 @@ def load_checkpoint(path: Path, *, drafter, optimizer, device) -> None:
     saved = read_config(path / "drafter")
     if saved != drafter.config:
         raise PipelineError(f"{path}/drafter/config.json: the checkpoint's drafter does not match this run's config")
-    weights = load_file(str(path / "drafter" / "model.safetensors"))
+    try:
+        weights = load_file(str(path / "drafter" / "model.safetensors"))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
+        raise PipelineError(f"{path}/drafter/model.safetensors: unreadable ({e}); delete this checkpoint "
+                            "to resume from the one before it") from None
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     if {k: tuple(v.shape) for k, v in weights.items()} != expected:
         raise PipelineError(f"{path}/drafter/model.safetensors: names or shapes differ from this run's drafter")

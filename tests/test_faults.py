@@ -1,0 +1,157 @@
+"""Faults during extraction: kill -9 at every phase, a full disk, a file-size limit. After each,
+the cache lists only whole shards, and re-running the same command completes it to exactly the
+content of an uninterrupted run."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from extract_helpers import REPO, assert_same_content, cli, write_rows
+from pipeline.cache.files import tree_digest
+from pipeline.config import ExtractConfig
+from stages.extract import run_extract
+from stages.verify import run_verify
+
+SHARDS, BATCH_TOKENS = 3, 256
+PHASES = {"extract.batch", "writer.chunk", "writer.fsynced", "writer.renamed", "json.written", "extract.listed"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, train_rows):
+    return write_rows(tmp_path_factory.mktemp("faults") / "convs.jsonl", train_rows[:12])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    cache = tmp_path_factory.mktemp("reference") / "cache"
+    run_extract(ExtractConfig(cache=str(cache), data=[str(data)], num_shards=SHARDS, batch_tokens=BATCH_TOKENS), None,
+                progress=False)
+    return cache
+
+
+def extract_args(cache, data):
+    return ["extract", "--cache", str(cache), "--data", str(data), "--num-shards", str(SHARDS),
+            "--batch-tokens", str(BATCH_TOKENS)]
+
+
+def listed(cache):
+    return json.loads((cache / "manifest.json").read_text())["shards"]
+
+
+def assert_consistent(cache):
+    """Every listed shard is on disk byte for byte as recorded; nothing partial is left behind."""
+    for name, record in listed(cache).items():
+        assert "sha256:" + tree_digest(cache / name) == record["digest"], name
+    assert not list(cache.glob(".shard-*.tmp")) and not list(cache.glob(".manifest.json.tmp-*"))
+
+
+def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
+    """28 trials: 4 at random hits of each of 6 failpoints (forward batch, chunk written,
+    shard fsynced, shard renamed, manifest temporary written, shard listed) and 4 kills after a
+    random delay; the writer runs inline in half of them and on its background thread in the
+    other half."""
+    plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
+            "seed": 9, "per_failpoint": 4, "timed": 4}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = subprocess.run([sys.executable, "tests/kill_trials.py", str(tmp_path / "plan.json")], cwd=REPO,
+                            capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_FAILPOINT": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    trials = report["trials"]
+    aimed = [t for t in trials if "failpoint" in t]
+    assert len(aimed) == 24 and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
+    assert {t["failpoint"].split("@")[0] for t in aimed} == PHASES
+    assert sum(t["run"] == "killed" for t in trials) >= 25
+    for t in trials:
+        after = t["after_kill"]
+        assert after["listed_intact"], t  # never a partial shard listed as committed
+        assert t["resume"] == "ok", t
+        assert t["resumed_shards_written"] == SHARDS - len(after["listed"]), t
+        done = t["after_resume"]
+        assert len(done["listed"]) == SHARDS and done["listed_intact"], t
+        assert not done["partial"] and not done["unlisted_dirs"] and not done["manifest_temps"], t
+        cache = tmp_path / os.path.basename(t["cache"])
+        assert_same_content(cache, reference)
+        assert run_verify(cache)["passed"], t
+    # The phases left what they should: a kill between rename and listing leaves an unlisted shard
+    # directory that the resume replaces; one inside a manifest update leaves the old manifest.
+    assert any(t["after_kill"]["unlisted_dirs"] for t in aimed if t["failpoint"].startswith("writer.renamed"))
+    assert any(t["after_kill"]["manifest_temps"] for t in aimed if t["failpoint"].startswith("json.written"))
+
+
+def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):
+    cache = tmp_path / "cache"
+    first = cli(*extract_args(cache, data), "--shards", "0")
+    assert first.returncode == 0, first.stderr
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+
+    full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    limited = subprocess.run([sys.executable, "-m", "cli", *extract_args(cache, data)], cwd=REPO, env=full_env,
+                             capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
+    assert limited.returncode == 1
+    lines = [line for line in limited.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "shard-00001: write failed (file size limit reached" in lines[0], limited.stderr
+    assert "Traceback" not in limited.stderr
+    assert sorted(listed(cache)) == ["shard-00000"]
+    assert_consistent(cache)
+    resumed = cli(*extract_args(cache, data), "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["shards_written"] == SHARDS - 1
+    assert_same_content(cache, reference)
+
+
+def _can_mount_a_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_tmpfs(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
+def test_disk_full_during_a_shard_write(tmp_path, data, reference):
+    """A real ENOSPC: the cache lives on a tmpfs that has room for one shard; the extraction
+    fails naming the next shard, then the filesystem is grown and the same command completes."""
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir()
+    out.mkdir()
+    cache = mnt / "cache"
+    extract = " ".join([sys.executable, "-m", "cli", *extract_args(cache, data)])
+    script = f"""
+set -u
+mount -t tmpfs -o size=16m tmpfs {mnt}
+{extract} --shards 0 > /dev/null 2> {out}/first.err || exit 10
+used=$(du -sk {mnt} | cut -f1)
+mount -o remount,size=$((used + 40))k {mnt}
+{extract} > /dev/null 2> {out}/full.err
+echo $? > {out}/full.rc
+cp -r {cache} {out}/after-failure
+mount -o remount,size=16m {mnt}
+{extract} --json > {out}/resumed.json 2> {out}/resumed.err || exit 11
+cp -r {cache} {out}/final
+"""
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr, *(p.read_text() for p in out.glob("*.err")))
+    assert (out / "full.rc").read_text().strip() == "1"
+    stderr = (out / "full.err").read_text()
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "write failed (no space left on the device)" in lines[0], stderr
+    assert "shard-00001" in lines[0] or "shard-00002" in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    after = out / "after-failure"
+    assert "shard-00000" in listed(after) and len(listed(after)) < SHARDS
+    assert_consistent(after)
+    assert json.loads((out / "resumed.json").read_text())["shards_written"] == SHARDS - len(listed(after))
+    assert_same_content(out / "final", reference)
