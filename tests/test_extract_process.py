@@ -81,11 +81,13 @@ def test_kill_mid_shard_then_resume(tmp_path, data, reference):
     assert_same_content(cache, reference)
 
 
-def test_two_processes_never_write_one_shard(tmp_path, data, reference):
+@pytest.mark.parametrize("ranges", [("0-3", "0-3"), ("0-2", "1-3")], ids=["same", "overlapping"])
+def test_two_processes_never_write_one_shard(tmp_path, data, reference, ranges):
     cache = tmp_path / "race"
     cmd = [sys.executable, "-m", "cli", "extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
            "--batch-tokens", "256", "--json"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([*cmd, "--shards", r], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in ranges]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     written = sum(json.loads(o[0])["shards_written"] for o in outs)
