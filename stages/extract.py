@@ -328,7 +328,7 @@ class _ShardRun:
             failpoint("extract.batch")
             if writer is not None:
                 self.background.submit(lambda b=batch, o=outs: [
-                    writer.append(sid, encode_rows(cfg, ids, mask, out)) for (sid, ids, mask), out in zip(b, o)])
+                    writer.append(sid, self._encode(ids, mask, out)) for (sid, ids, mask), out in zip(b, o)])
             bar.advance(len(batch), tokens=sum(len(s[1]) for s in batch))
         bar.advance(len(rows) - len(samples))
         if writer is not None:
@@ -337,6 +337,11 @@ class _ShardRun:
                                  "layout": {**self.layout.record(), "tp_plan": self.tp_plan},
                                  "host": platform.node(), "environment": environment()})
             self.background.submit(lambda: self._commit(writer, shard, lock))
+
+    def _encode(self, ids, mask, out) -> dict[str, np.ndarray]:
+        rows = encode_rows(self.cfg, ids, mask, out)
+        failpoint("extract.encoded")
+        return rows
 
     def _commit(self, writer: ShardWriter, shard: int, lock: FileLock) -> None:
         try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pipeline.cache.reader import CacheReader
 
@@ -73,3 +75,15 @@ def assert_same_content(a: Path, b: Path, *, exact: bool = True, atol: float = 0
                 assert (x == y).mean() > 0.99, (sid, key)
             else:
                 np.testing.assert_allclose(x, y, atol=atol, rtol=0.02, err_msg=f"sample {sid} {key}")
+
+
+def _can_mount_a_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+# A real full disk: a small tmpfs mounted in a private user + mount namespace, grown later with
+# `mount -o remount,size=...` to show the run resumes once there is room.
+needs_tmpfs = pytest.mark.skipif(not _can_mount_a_tmpfs(), reason="needs user and mount namespaces (unshare -rm)")

@@ -33,7 +33,7 @@ from pipeline.cache.files import tree_digest  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 
-PHASES = ("extract.batch", "writer.chunk", "writer.fsynced", "writer.renamed", "json.written", "extract.listed")
+PHASES = ("extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.renamed", "json.written", "extract.listed")
 
 
 def child(cache: Path, plan: dict, *, failpoint: str = "", writer_queue: int = 0, hits_file: Path | None = None,

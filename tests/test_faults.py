@@ -5,21 +5,20 @@ content of an uninterrupted run."""
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, cli, write_rows
+from extract_helpers import REPO, assert_same_content, cli, needs_tmpfs, write_rows
 from pipeline.cache.files import tree_digest
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify
 
 SHARDS, BATCH_TOKENS = 3, 256
-PHASES = {"extract.batch", "writer.chunk", "writer.fsynced", "writer.renamed", "json.written", "extract.listed"}
+PHASES = {"extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.renamed", "json.written", "extract.listed"}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +51,9 @@ def assert_consistent(cache):
 
 
 def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
-    """28 trials: 4 at random hits of each of 6 failpoints (forward batch, chunk written,
-    shard fsynced, shard renamed, manifest temporary written, shard listed) and 4 kills after a
+    """32 trials: 4 at random hits of each of 7 failpoints (forward batch, sample encoded, chunk
+    compressed and written, shard fsynced, shard renamed, manifest temporary written, shard
+    listed) and 4 kills after a
     random delay; the writer runs inline in half of them and on its background thread in the
     other half."""
     plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
@@ -66,9 +66,9 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
     report = json.loads(result.stdout)
     trials = report["trials"]
     aimed = [t for t in trials if "failpoint" in t]
-    assert len(aimed) == 24 and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
+    assert len(aimed) == 28 and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
     assert {t["failpoint"].split("@")[0] for t in aimed} == PHASES
-    assert sum(t["run"] == "killed" for t in trials) >= 25
+    assert sum(t["run"] == "killed" for t in trials) >= 29
     for t in trials:
         after = t["after_kill"]
         assert after["listed_intact"], t  # never a partial shard listed as committed
@@ -110,15 +110,7 @@ def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):
     assert_same_content(cache, reference)
 
 
-def _can_mount_a_tmpfs() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_mount_a_tmpfs(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
+@needs_tmpfs
 def test_disk_full_during_a_shard_write(tmp_path, data, reference):
     """A real ENOSPC: the cache lives on a tmpfs that has room for one shard; the extraction
     fails naming the next shard, then the filesystem is grown and the same command completes."""

@@ -1,6 +1,7 @@
 """Stage two: `pipeline train` learns from the cache alone, exactly as it would from the live target."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import REPO, cli, small_cache, torchrun
+from extract_helpers import REPO, cli, needs_tmpfs, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.drafter.checkpoint import list_checkpoints
@@ -209,6 +210,39 @@ def test_kill_9_during_a_checkpoint_write(cache, tmp_path, uninterrupted, failpo
     assert summary["resumed"] is True and summary["resumed_from_step"] == resumes_from, summary
     assert not list((run / "checkpoints").glob(".step-*.tmp-*"))
     assert_resumed_identically(run, uninterrupted)
+
+
+@needs_tmpfs
+def test_disk_full_during_a_checkpoint_write(cache, tmp_path, uninterrupted):
+    """The run directory is on an 8 MiB tmpfs: the step-10 checkpoint (~5 MiB) fits, step 20's
+    does not. The error names the checkpoint, the half-written one is removed, and once the
+    filesystem is grown the same command resumes from step 10 to an identical result."""
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir()
+    out.mkdir()
+    train = " ".join([sys.executable, "-m", "cli", "train", "--cache", str(cache), "--out", str(mnt / "run"), *RUN])
+    script = f"""
+set -u
+mount -t tmpfs -o size=8m tmpfs {mnt}
+{train} > /dev/null 2> {out}/full.err
+echo $? > {out}/full.rc
+ls -a {mnt}/run/checkpoints > {out}/after-failure.txt
+mount -o remount,size=64m {mnt}
+{train} > {out}/resumed.json 2> {out}/resumed.err || exit 11
+cp -r {mnt}/run {out}/run
+"""
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr, *(p.read_text() for p in out.glob("*.err")))
+    assert (out / "full.rc").read_text().strip() == "1"
+    errors = [line for line in (out / "full.err").read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "step-00000020: checkpoint write failed" in errors[0], errors
+    assert "free on the device" in errors[0] or "no space left" in errors[0], errors
+    assert (out / "after-failure.txt").read_text().split() == [".", "..", "step-00000010"]
+    summary = json.loads((out / "resumed.json").read_text())
+    assert summary["resumed_from_step"] == 10, summary
+    assert_resumed_identically(out / "run", uninterrupted)
 
 
 def test_a_damaged_checkpoint_is_a_clear_error(cache, tmp_path, uninterrupted):

@@ -49,8 +49,12 @@ def save_checkpoint(run: Path, *, step: int, drafter, optimizer, state: dict, ke
         failpoint("checkpoint.written")
         fsync_tree(tmp)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+        if isinstance(e, OSError):
+            reason = describe_os_error(e)
+        else:  # torch's writer loses the errno: show what is left on the device instead
+            free = shutil.disk_usage(root).free / 2**20
+            reason = f"{str(e).splitlines()[0]}; {free:.1f} MiB free on the device"
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = describe_os_error(e) if isinstance(e, OSError) else str(e).splitlines()[0]
         raise PipelineError(f"{final}: checkpoint write failed ({reason}); the last complete checkpoint is "
                             "kept: make room, then re-run the same command to resume") from None
     if final.exists():
