@@ -103,3 +103,43 @@ def test_a_manifest_of_an_unknown_schema_version_is_refused(cache, tmp_path, com
     assert "schema_version 99 is not supported" in result.stdout + result.stderr
     assert (bad / "manifest.json").read_bytes() == before, "a refused cache is never rewritten"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def copied(cache, tmp_path):
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    return copy
+
+
+def test_a_chunk_linked_to_dev_zero_is_reported_not_read(cache, tmp_path):
+    """Following the link would read forever; verify-cache names it instead and reads nothing of it."""
+    bad = copied(cache, tmp_path)
+    chunk = max((bad / "shard-00000" / "hidden" / "c").rglob("*"))
+    assert chunk.is_file()
+    chunk.unlink()
+    chunk.symlink_to("/dev/zero")
+    result = cli("verify-cache", str(bad), "--json", timeout=120)
+    assert result.returncode == 1, result.stderr
+    report = {c["check"]: c for c in json.loads(result.stdout)["checks"]}
+    assert report["structure"]["status"] == "fail"
+    assert any(f"{chunk}: is a symbolic link" in p for p in report["structure"]["evidence"]["problems"])
+    assert report["digests"]["status"] == "fail"
+
+
+@pytest.mark.parametrize("where", ["shard", "offsets chunk"])
+def test_links_in_a_shard_are_refused_by_the_reader(cache, tmp_path, where):
+    bad = copied(cache, tmp_path)
+    if where == "shard":
+        outside = tmp_path / "elsewhere"
+        (bad / "shard-00000").rename(outside)
+        (bad / "shard-00000").symlink_to(outside)
+        link = bad / "shard-00000"
+    else:
+        link = next((bad / "shard-00000" / "offsets" / "c").rglob("*"))
+        target = tmp_path / "offsets-chunk"
+        link.rename(target)
+        link.symlink_to(target)
+    with pytest.raises(PipelineError, match=f"{link}: is a symbolic link"):
+        CacheReader(bad).shard("shard-00000")
+    result = cli("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1")
+    assert result.returncode == 1 and "is a symbolic link" in result.stderr, result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import tree_digest
+from pipeline.cache.files import regular_files, tree_digest
 from pipeline.cache.manifest import shard_identity
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape
@@ -50,6 +50,7 @@ def sound_shards(reader: CacheReader, shards: list[str]):
         if not (reader.dir / name).is_dir():
             continue
         try:
+            regular_files(reader.dir / name)  # no chunk may be a link (to /dev/zero, outside the cache)
             yield name, ShardReader(reader.dir / name, reader.hidden_format,
                                     expected=(record.get("samples"), record.get("tokens")))
         except PipelineError:
@@ -92,8 +93,12 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                 problems.append(f"{name}/{spec.name}: chunks {arr.chunks}, schema says {chunk_tokens(spec, dims)} tokens")
             else:
                 expected = -(-arr.shape[0] // arr.chunks[0])
-                present = {int(p.relative_to(path / spec.name / "c").parts[0])
-                           for p in (path / spec.name / "c").rglob("*") if p.is_file()}
+                try:
+                    present = {int(p.relative_to(path / spec.name / "c").parts[0])
+                               for p in regular_files(path / spec.name / "c")}
+                except PipelineError as e:
+                    problems.append(str(e))
+                    continue
                 missing = sorted(set(range(expected)) - present)
                 if missing:
                     problems.append(f"{name}/{spec.name}: chunk file(s) {missing[:5]} missing of {expected}")
@@ -109,8 +114,15 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
 def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Check:
     if not enabled:
         return Check("digests", True, "skipped: --sample-rate < 1 reads only part of the cache", skipped=True)
-    bad = [name for name in shards if (reader.dir / name).is_dir()
-           and "sha256:" + tree_digest(reader.dir / name) != reader.manifest["shards"][name]["digest"]]
+    bad = []
+    for name in shards:
+        if not (reader.dir / name).is_dir():
+            continue  # reported by check_structure
+        try:
+            if "sha256:" + tree_digest(reader.dir / name) != reader.manifest["shards"][name]["digest"]:
+                bad.append(name)
+        except PipelineError as e:
+            bad.append(f"{name} ({e})")
     return Check("digests", not bad, f"sha256 of {len(shards)} shards" + (f": {len(bad)} differ from the manifest" if bad else " match the manifest"),
                  {"mismatched": bad})
 

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -58,10 +59,28 @@ def write_json_atomic(path: Path, data) -> None:
         raise PipelineError(f"{path}: write failed ({describe_os_error(e)}); the previous version is intact") from None
 
 
+def regular_files(root: Path) -> list[Path]:
+    """Every file under root, sorted. A cache is untrusted input: a symbolic link (which could
+    point at /dev/zero or outside the cache) or any other non-regular entry is refused, never
+    followed."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+            if name in filenames:
+                if not stat.S_ISREG(mode):
+                    raise PipelineError(f"{path}: is not a regular file")
+                found.append(path)
+    return sorted(found)
+
+
 def tree_digest(root: Path) -> str:
     """sha256 over (relative path, size, bytes) of every file, in sorted order."""
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in regular_files(root):
         rel = path.relative_to(root).as_posix()
         data = path.read_bytes()
         h.update(f"{rel}\0{len(data)}\0".encode())
@@ -70,7 +89,7 @@ def tree_digest(root: Path) -> str:
 
 
 def tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in regular_files(root))
 
 
 class FileLock:

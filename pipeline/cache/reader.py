@@ -7,6 +7,7 @@ chunks that overlap it. Chunk checksums (CRC32C) are verified by Zarr on every r
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -15,9 +16,31 @@ import torch
 import zarr
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
+from pipeline.cache.files import regular_files
 from pipeline.cache.manifest import read_manifest
 from pipeline.cache.schema import check_dims, shard_index, shard_name
 from pipeline.errors import PipelineError
+
+
+def _refuse_links(path: Path) -> None:
+    """The cheap part of the link check, on every open: the shard, its arrays' directories and
+    metadata, and the small per-sample arrays. (Links among the millions of hidden-state chunks
+    are found by verify-cache, which walks every file.)"""
+    try:
+        if path.is_symlink():
+            raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+        for entry in os.scandir(path):
+            if entry.is_symlink():
+                raise PipelineError(f"{entry.path}: is a symbolic link; a cache holds regular files only")
+            if entry.is_dir(follow_symlinks=False):
+                for sub in os.scandir(entry.path):
+                    if sub.is_symlink():
+                        raise PipelineError(f"{sub.path}: is a symbolic link; a cache holds regular files only")
+        for name in ("offsets", "sample_id"):
+            if (path / name).is_dir():
+                regular_files(path / name)
+    except OSError as e:
+        raise PipelineError(f"{path}: cannot open shard ({e.strerror})") from None
 
 
 class ShardReader:
@@ -32,6 +55,7 @@ class ShardReader:
         self._chunks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._cached = 0
         self._arrays: dict = {}
+        _refuse_links(path)
         try:
             self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
             if expected is not None:
