@@ -297,7 +297,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
                         tokens0 += trainer.take_tokens()
                         _checkpoint(out, cfg, drafter, optimizer, step=step, epoch=epoch, position=position,
                                     identity=identity, elapsed=elapsed0 + time.perf_counter() - t_start,
-                                    tokens=tokens0, rank=rank, world=world)
+                                    tokens=tokens0, rank=rank, world=world, device=device)
             finally:
                 items.close()
             if position + cfg.batch_sequences > plan.samples_per_epoch:
@@ -450,14 +450,24 @@ def _log_record(result: dict, trainer: StepRunner, interval: _Interval, *, step,
     }
 
 
-def _checkpoint(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world):
+def _checkpoint(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world,
+                device):
     # The position is normalised to the start of the next epoch when this one is used up.
+    failure = None
     if rank == 0:
-        save_checkpoint(out, step=step, drafter=drafter, optimizer=optimizer, keep=cfg.keep_checkpoints,
-                        state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
-                               "world_size": world, "config": asdict(cfg), "cache": identity})
-    if world > 1:
-        dist.barrier()
+        try:
+            save_checkpoint(out, step=step, drafter=drafter, optimizer=optimizer, keep=cfg.keep_checkpoints,
+                            state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
+                                   "world_size": world, "config": asdict(cfg), "cache": identity})
+        except PipelineError as e:
+            failure = e
+    # Every rank learns whether rank 0's write failed (a full disk, say), so that all stop with
+    # the error instead of the others waiting on a collective that rank 0 never joins.
+    if world > 1 and all_sum(torch.tensor([int(failure is not None)]), world, device).item() and failure is None:
+        raise PipelineError(f"step {step}: rank 0 could not write the checkpoint (its error says why); "
+                            "the last complete checkpoint is kept")
+    if failure is not None:
+        raise failure
 
 
 def _check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -> None:

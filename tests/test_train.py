@@ -2,6 +2,7 @@
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -243,6 +244,26 @@ cp -r {mnt}/run {out}/run
     summary = json.loads((out / "resumed.json").read_text())
     assert summary["resumed_from_step"] == 10, summary
     assert_resumed_identically(out / "run", uninterrupted)
+
+
+def test_a_failed_checkpoint_write_stops_every_rank(cache, tmp_path):
+    """Rank 0 alone writes checkpoints; when it cannot (here a 2 MB file-size limit against a
+    3 MB optimizer state), every rank stops with the error instead of waiting for rank 0."""
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(29500 + os.getpid() % 1000), "-m", "cli", "train",
+                             "--cache", str(cache), "--out", str(run), "--max-steps", "4", "--checkpoint-every", "2",
+                             "--micro-batch-sequences", "2"],
+                            cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
+    assert result.returncode != 0
+    assert "step-00000002: checkpoint write failed" in result.stderr and "ulimit -f" in result.stderr, result.stderr[-3000:]
+    assert "step 2: rank 0 could not write the checkpoint" in result.stderr, result.stderr[-3000:]
+    assert not list((run / "checkpoints").iterdir())
 
 
 def test_a_damaged_checkpoint_is_a_clear_error(cache, tmp_path, uninterrupted):

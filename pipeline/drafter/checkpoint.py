@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def save_checkpoint(run: Path, *, step: int, drafter, optimizer, state: dict, ke
         else:  # torch's writer loses the errno: show what is left on the device instead
             free = shutil.disk_usage(root).free / 2**20
             reason = f"{str(e).splitlines()[0]}; {free:.1f} MiB free on the device"
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY:
+                reason += f", file size limit (ulimit -f) {limit} bytes"
         shutil.rmtree(tmp, ignore_errors=True)
         raise PipelineError(f"{final}: checkpoint write failed ({reason}); the last complete checkpoint is "
                             "kept: make room, then re-run the same command to resume") from None
