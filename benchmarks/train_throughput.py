@@ -40,8 +40,8 @@ from pipeline.drafter.model import DFlashDrafter
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.target import read_target_facts
 from stages.extract import run_extract
+from pipeline.drafter.step import StepRunner
 from stages.train import (
-    StepRunner,
     drafter_config,
     frozen_target_modules,
     make_plan,

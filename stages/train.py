@@ -3,9 +3,9 @@
 The target's weights are read only for the frozen embedding and lm_head. One optimizer step
 takes `batch_sequences` samples in the epoch order of `pipeline.drafter.stream` (a pure function
 of the shards, seed and epoch); rank r of W reads positions r, r+W, ..., so the same global
-batch forms whatever W is. The loss is normalised over the whole global batch
-(sum(ce*w) / sum(w), DESIGN 3.4): every rank knows the global sum of weights before its backward,
-so micro-batches and ranks add up to exactly the single-process gradient.
+batch forms whatever W is; `pipeline.drafter.step` runs each step (global loss normalisation,
+micro-batches, DDP). This module resolves the configuration and runs the loop, logs and
+checkpoints.
 
 Resume is exact: a checkpoint holds the drafter, optimizer, RNG and the data position (epoch,
 position); anchors come from (seed, epoch, sample id) and noise from (seed, step, sample id), so
@@ -14,7 +14,6 @@ a resumed run logs the same losses as an uninterrupted one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -29,17 +28,15 @@ from pipeline.cache.files import write_json_atomic
 from pipeline.cache.manifest import read_manifest
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig, load_config, read_config_file
-from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, noise_generator, pack, placeholder, prepare
 from pipeline.drafter.blocks import default_gamma
 from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from pipeline.drafter.compat import check_compatible, kernel_paths
 from pipeline.drafter.export import export_drafter
-from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.drafter.step import StepRunner, all_sum, autocast_dtype
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.errors import PipelineError
 from pipeline.provenance import tokenizer_digest, weight_digests
-from pipeline.schedule import warmup_cosine
 from pipeline.target import TargetFacts, read_target_facts
 
 # Options that may change between a checkpoint and its resume without changing the result
@@ -189,28 +186,11 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    if cfg.dtype == "float32":
-        return None
-    if cfg.dtype == "bfloat16":
-        return torch.bfloat16
-    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-
-
 def init_distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
-
-
-def all_sum(value: torch.Tensor, world: int, device: torch.device) -> torch.Tensor:
-    """Sum over ranks, returned on the CPU (NCCL reduces CUDA tensors only, gloo CPU ones)."""
-    if world == 1:
-        return value.cpu()
-    value = value.to(device)
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value.cpu()
 
 
 def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bool = True, view=None,
@@ -329,109 +309,6 @@ class _Interval:
 
     def __post_init__(self):
         self.t0 = time.perf_counter()
-
-
-class StepRunner:
-    """One optimizer step over a rank's share of the global batch, in micro-batches."""
-
-    def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma):
-        self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
-        self.device, self.rank, self.world, self.gamma = device, rank, world, gamma
-        self.model = drafter
-        self.autocast = autocast_dtype(cfg, device)
-        self._tokens = 0
-
-    def preparer(self, epoch: int):
-        cfg, config = self.cfg, self.drafter.config
-
-        def transform(position, sample):
-            return sample["sample_id"], prepare(
-                sample, block_size=cfg.block_size, num_anchors=cfg.num_anchors, max_length=cfg.max_length,
-                mask_token_id=config.mask_token_id, gamma=self.gamma, soft=cfg.loss == "kl",
-                generator=anchor_generator(cfg.seed, epoch, int(sample["sample_id"])))
-        return transform
-
-    def noise_std(self, step: int) -> float:
-        if self.cfg.noise_schedule == "linear":
-            return self.cfg.noise_std * (1.0 - step / max(1, self.plan.total_steps))
-        return self.cfg.noise_std
-
-    def lr(self, step: int) -> float:
-        return warmup_cosine(step, peak=self.cfg.lr, warmup=self.plan.warmup_steps, total=self.plan.total_steps,
-                             floor=self.cfg.min_lr_ratio)
-
-    def _autocast(self):
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast)
-
-    def _placeholder(self):
-        capture_k = 8 if self.cfg.loss == "kl" else None
-        return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k)
-
-    def take_tokens(self) -> int:
-        tokens, self._tokens = self._tokens, 0
-        return tokens
-
-    def step(self, batch: list, step: int, *, with_metrics: bool) -> dict:
-        items = [(sid, seq) for sid, seq in batch if seq is not None]
-        std = self.noise_std(step)
-        if std > 0:
-            for sid, seq in items:
-                seq.taps = seq.taps + std * torch.randn(seq.taps.shape, generator=noise_generator(self.cfg.seed, step, sid))
-        tokens = sum(seq.num_tokens for _, seq in items)
-        local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
-        global_w = float(all_sum(local_w.clone(), self.world, self.device))
-        if global_w == 0:
-            raise PipelineError(f"step {step}: no supervised slot in the whole global batch (check the cache's loss masks)")
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr(step)
-        self.optimizer.zero_grad(set_to_none=True)
-        micro = [items[i:i + self.plan.micro] for i in range(0, len(items), self.plan.micro)] or [[]]
-        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums = None
-        for i, chunk in enumerate(micro):
-            sync = i == len(micro) - 1
-            ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
-            seqs = [seq for _, seq in chunk] or [self._placeholder()]
-            with ctx:
-                packed = pack(seqs, self.cfg.block_size).to(self.device)
-                with self._autocast():
-                    logits = forward_logits(self.model, packed)
-                part = loss_sum(logits, packed, self.cfg.loss)
-                (part * (self.world / global_w)).backward()
-                total_loss += part.detach().double()  # stays on the device: no sync per micro-batch
-                if with_metrics:
-                    sums = add_sums(sums, {k: v.cpu() for k, v in metric_sums(
-                        logits.detach(), packed.labels, packed.weights, packed.real_blocks).items()})
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        if not torch.isfinite(grad_norm):
-            ids = ", ".join(str(sid) for sid, _ in items[:8])
-            raise PipelineError(f"step {step}: non-finite gradient norm ({float(grad_norm)}); samples on rank "
-                                f"{self.rank}: {ids}. Lower lr, or check these samples with `pipeline verify-cache`")
-        self.optimizer.step()
-        self._tokens += tokens
-        result = {"tokens": tokens, "grad_norm": float(grad_norm), "lr": self.lr(step), "noise_std": std,
-                  "local_loss": float(total_loss), "global_w": global_w}
-        if with_metrics:
-            if sums is None:
-                sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
-            flat = torch.cat([v.reshape(-1).double() for v in sums.values()] + [total_loss.cpu().reshape(1)])
-            flat = all_sum(flat, self.world, self.device)
-            out, i = {}, 0
-            for k, v in sums.items():
-                out[k] = flat[i:i + v.numel()].reshape(v.shape)
-                i += v.numel()
-            result["loss"] = float(flat[-1]) / global_w
-            result["metrics"] = finish_metrics(out)
-        return result
-
-
-def _empty_sums(block_size: int) -> dict:
-    z = torch.zeros((), dtype=torch.float64)
-    return {"supervised": z, "top1": z, "top4": z, "top8": z, "blocks": z, "streak1": z, "streak4": z, "streak8": z,
-            "slot_hits": torch.zeros(block_size, dtype=torch.float64),
-            "slot_count": torch.zeros(block_size, dtype=torch.float64)}
 
 
 def _log_record(result: dict, trainer: StepRunner, interval: _Interval, *, step, epoch, position, plan, elapsed) -> dict:
