@@ -9,13 +9,14 @@ tokens) and hidden states one chunk at a time.
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import regular_files, tree_digest
+from pipeline.cache.files import tree_digest
 from pipeline.cache.manifest import shard_identity
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape
@@ -46,13 +47,11 @@ def sound_shards(reader: CacheReader, shards: list[str]):
     """(name, ShardReader) for the shards that exist and whose declared shapes match the manifest;
     the others are reported by check_structure and never read."""
     for name in shards:
-        record = reader.manifest["shards"][name]
         if not (reader.dir / name).is_dir():
             continue
         try:
-            regular_files(reader.dir / name)  # no chunk may be a link (to /dev/zero, outside the cache)
-            yield name, ShardReader(reader.dir / name, reader.hidden_format,
-                                    expected=(record.get("samples"), record.get("tokens")))
+            reader.files(name)  # no chunk may be a link (to /dev/zero, outside the cache)
+            yield name, reader.shard(name)
         except PipelineError:
             continue
 
@@ -69,10 +68,15 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
             continue
         try:
             # Declared shapes are checked against the manifest before anything is read.
-            shard = ShardReader(path, reader.hidden_format, expected=(record.get("samples"), record.get("tokens")))
+            shard = reader.shard(name)
         except PipelineError as e:
             problems.append(str(e))
             continue
+        try:
+            chunks = _chunk_indices(path, reader.files(name))
+        except PipelineError as e:  # a link or special file among the chunks
+            problems.append(str(e))
+            chunks = None
         if shard.num_samples != record["samples"] or shard.num_tokens != record["tokens"]:
             problems.append(f"{name}: {shard.num_samples} samples / {shard.num_tokens} tokens on disk, "
                             f"manifest says {record['samples']} / {record['tokens']}")
@@ -91,15 +95,9 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                 problems.append(f"{name}/{spec.name}: {arr.dtype}{tuple(arr.shape)}, declared {spec.dtype}{want}")
             elif spec.per == "token" and arr.chunks[0] != chunk_tokens(spec, dims):
                 problems.append(f"{name}/{spec.name}: chunks {arr.chunks}, schema says {chunk_tokens(spec, dims)} tokens")
-            else:
+            elif chunks is not None:
                 expected = -(-arr.shape[0] // arr.chunks[0])
-                try:
-                    present = {int(p.relative_to(path / spec.name / "c").parts[0])
-                               for p in regular_files(path / spec.name / "c")}
-                except PipelineError as e:
-                    problems.append(str(e))
-                    continue
-                missing = sorted(set(range(expected)) - present)
+                missing = sorted(set(range(expected)) - chunks[spec.name])
                 if missing:
                     problems.append(f"{name}/{spec.name}: chunk file(s) {missing[:5]} missing of {expected}")
         attrs = dict(shard.group.attrs)
@@ -111,6 +109,16 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                  {"problems": problems[:50]})
 
 
+def _chunk_indices(path: Path, files: list[Path]) -> defaultdict[str, set[int]]:
+    """{array: token-axis indices of its chunk files}, from one listing of the shard."""
+    found = defaultdict(set)
+    for f in files:
+        parts = f.relative_to(path).parts  # (array, "c", token index, ...)
+        if len(parts) > 2 and parts[1] == "c":
+            found[parts[0]].add(int(parts[2]))
+    return found
+
+
 def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Check:
     if not enabled:
         return Check("digests", True, "skipped: --sample-rate < 1 reads only part of the cache", skipped=True)
@@ -119,7 +127,7 @@ def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Chec
         if not (reader.dir / name).is_dir():
             continue  # reported by check_structure
         try:
-            if "sha256:" + tree_digest(reader.dir / name) != reader.manifest["shards"][name]["digest"]:
+            if "sha256:" + tree_digest(reader.dir / name, reader.files(name)) != reader.manifest["shards"][name]["digest"]:
                 bad.append(name)
         except PipelineError as e:
             bad.append(f"{name} ({e})")

@@ -59,6 +59,10 @@ def write_json_atomic(path: Path, data) -> None:
         raise PipelineError(f"{path}: write failed ({describe_os_error(e)}); the previous version is intact") from None
 
 
+def link_refused(path) -> PipelineError:
+    return PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+
+
 def regular_files(root: Path) -> list[Path]:
     """Every file under root, sorted. A cache is untrusted input: a symbolic link (which could
     point at /dev/zero or outside the cache) or any other non-regular entry is refused, never
@@ -69,7 +73,7 @@ def regular_files(root: Path) -> list[Path]:
             path = Path(dirpath) / name
             mode = path.lstat().st_mode
             if stat.S_ISLNK(mode):
-                raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+                raise link_refused(path)
             if name in filenames:
                 if not stat.S_ISREG(mode):
                     raise PipelineError(f"{path}: is not a regular file")
@@ -77,10 +81,11 @@ def regular_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def tree_digest(root: Path) -> str:
-    """sha256 over (relative path, size, bytes) of every file, in sorted order."""
+def tree_digest(root: Path, files: list[Path] | None = None) -> str:
+    """sha256 over (relative path, size, bytes) of every file, in sorted order (`files`: the
+    result of `regular_files(root)` when the caller has it already)."""
     h = hashlib.sha256()
-    for path in regular_files(root):
+    for path in regular_files(root) if files is None else files:
         rel = path.relative_to(root).as_posix()
         data = path.read_bytes()
         h.update(f"{rel}\0{len(data)}\0".encode())

@@ -16,7 +16,7 @@ import torch
 import zarr
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import regular_files
+from pipeline.cache.files import link_refused, regular_files
 from pipeline.cache.manifest import read_manifest
 from pipeline.cache.schema import check_dims, shard_index, shard_name
 from pipeline.errors import PipelineError
@@ -28,14 +28,12 @@ def _refuse_links(path: Path) -> None:
     are found by verify-cache, which walks every file.)"""
     try:
         if path.is_symlink():
-            raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+            raise link_refused(path)
         for entry in os.scandir(path):
-            if entry.is_symlink():
-                raise PipelineError(f"{entry.path}: is a symbolic link; a cache holds regular files only")
-            if entry.is_dir(follow_symlinks=False):
-                for sub in os.scandir(entry.path):
-                    if sub.is_symlink():
-                        raise PipelineError(f"{sub.path}: is a symbolic link; a cache holds regular files only")
+            subs = list(os.scandir(entry.path)) if entry.is_dir(follow_symlinks=False) else []
+            linked = [e.path for e in (entry, *subs) if e.is_symlink()]
+            if linked:
+                raise link_refused(linked[0])
         for name in ("offsets", "sample_id"):
             if (path / name).is_dir():
                 regular_files(path / name)
@@ -164,6 +162,14 @@ class CacheReader:
             raise PipelineError(f"{self.dir / 'manifest.json'}: bad capture record ({type(e).__name__}: {e})") from None
         self.hidden_format = capture["hidden_format"]
         self.shards = sorted(manifest["shards"], key=shard_index)
+        self._files: dict[str, list[Path]] = {}
+
+    def files(self, name: str) -> list[Path]:
+        """Every file of a shard, links and special files refused; walked once per reader
+        (verify-cache's checks each need it, and a large shard holds ~10^5 chunk files)."""
+        if name not in self._files:
+            self._files[name] = regular_files(self.dir / name)
+        return self._files[name]
 
     def shard(self, name_or_index: str | int, *, chunk_cache_bytes: int = 0) -> ShardReader:
         name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
