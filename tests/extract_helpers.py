@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,18 +38,26 @@ def small_cache(root: Path, rows: list[dict], num_shards: int) -> Path:
     return root / "cache"
 
 
-def cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, timeout: int = 600, preexec_fn=None) -> subprocess.CompletedProcess:
     """Run `python -m cli ...` in a subprocess, as a user would run `pipeline ...`."""
     full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, timeout: int = 600, preexec_fn=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(29500 + os.getpid() % 1000), "-m", "cli", *args],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
+
+
+def file_size_limit(nbytes: int):
+    """A preexec_fn: writes past `nbytes` fail with EFBIG (SIGXFSZ ignored, so they do not kill)."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return limit
 
 
 def decoded(cache: Path) -> dict[int, dict[str, np.ndarray]]:
@@ -87,3 +97,12 @@ def _can_mount_a_tmpfs() -> bool:
 # A real full disk: a small tmpfs mounted in a private user + mount namespace, grown later with
 # `mount -o remount,size=...` to show the run resumes once there is room.
 needs_tmpfs = pytest.mark.skipif(not _can_mount_a_tmpfs(), reason="needs user and mount namespaces (unshare -rm)")
+
+
+def in_namespace(script: str, out: Path) -> None:
+    """Run a shell script in a private user + mount namespace, where it may mount a tmpfs; the
+    script leaves its evidence in `out` (outside the mount). Fails showing the *.err files."""
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "set -u\n" + script], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr, *(p.read_text() for p in out.glob("*.err")))

@@ -4,14 +4,12 @@ content of an uninterrupted run."""
 
 import json
 import os
-import resource
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, cli, needs_tmpfs, write_rows
+from extract_helpers import REPO, assert_same_content, cli, file_size_limit, in_namespace, needs_tmpfs, write_rows
 from pipeline.cache.files import tree_digest
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
@@ -91,13 +89,7 @@ def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):
     first = cli(*extract_args(cache, data), "--shards", "0")
     assert first.returncode == 0, first.stderr
 
-    def limit_file_size():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so the write fails with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
-
-    full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    limited = subprocess.run([sys.executable, "-m", "cli", *extract_args(cache, data)], cwd=REPO, env=full_env,
-                             capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
+    limited = cli(*extract_args(cache, data), preexec_fn=file_size_limit(30_000))
     assert limited.returncode == 1
     lines = [line for line in limited.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "shard-00001: write failed (file size limit reached" in lines[0], limited.stderr
@@ -119,8 +111,7 @@ def test_disk_full_during_a_shard_write(tmp_path, data, reference):
     out.mkdir()
     cache = mnt / "cache"
     extract = " ".join([sys.executable, "-m", "cli", *extract_args(cache, data)])
-    script = f"""
-set -u
+    in_namespace(f"""
 mount -t tmpfs -o size=16m tmpfs {mnt}
 {extract} --shards 0 > /dev/null 2> {out}/first.err || exit 10
 used=$(du -sk {mnt} | cut -f1)
@@ -131,11 +122,7 @@ cp -r {cache} {out}/after-failure
 mount -o remount,size=16m {mnt}
 {extract} --json > {out}/resumed.json 2> {out}/resumed.err || exit 11
 cp -r {cache} {out}/final
-"""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, (done.returncode, done.stderr, *(p.read_text() for p in out.glob("*.err")))
+""", out)
     assert (out / "full.rc").read_text().strip() == "1"
     stderr = (out / "full.err").read_text()
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]

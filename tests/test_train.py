@@ -1,8 +1,6 @@
 """Stage two: `pipeline train` learns from the cache alone, exactly as it would from the live target."""
 
 import json
-import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -14,7 +12,7 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import REPO, cli, needs_tmpfs, small_cache, torchrun
+from extract_helpers import REPO, cli, file_size_limit, in_namespace, needs_tmpfs, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.drafter.checkpoint import list_checkpoints
@@ -222,8 +220,7 @@ def test_disk_full_during_a_checkpoint_write(cache, tmp_path, uninterrupted):
     mnt.mkdir()
     out.mkdir()
     train = " ".join([sys.executable, "-m", "cli", "train", "--cache", str(cache), "--out", str(mnt / "run"), *RUN])
-    script = f"""
-set -u
+    in_namespace(f"""
 mount -t tmpfs -o size=8m tmpfs {mnt}
 {train} > /dev/null 2> {out}/full.err
 echo $? > {out}/full.rc
@@ -231,11 +228,7 @@ ls -a {mnt}/run/checkpoints > {out}/after-failure.txt
 mount -o remount,size=64m {mnt}
 {train} > {out}/resumed.json 2> {out}/resumed.err || exit 11
 cp -r {mnt}/run {out}/run
-"""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, (done.returncode, done.stderr, *(p.read_text() for p in out.glob("*.err")))
+""", out)
     assert (out / "full.rc").read_text().strip() == "1"
     errors = [line for line in (out / "full.err").read_text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "step-00000020: checkpoint write failed" in errors[0], errors
@@ -249,17 +242,9 @@ cp -r {mnt}/run {out}/run
 def test_a_failed_checkpoint_write_stops_every_rank(cache, tmp_path):
     """Rank 0 alone writes checkpoints; when it cannot (here a 2 MB file-size limit against a
     3 MB optimizer state), every rank stops with the error instead of waiting for rank 0."""
-    def limit_file_size():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
-
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(29500 + os.getpid() % 1000), "-m", "cli", "train",
-                             "--cache", str(cache), "--out", str(run), "--max-steps", "4", "--checkpoint-every", "2",
-                             "--micro-batch-sequences", "2"],
-                            cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
+    result = torchrun(2, "train", "--cache", str(cache), "--out", str(run), "--max-steps", "4", "--checkpoint-every", "2",
+                      "--micro-batch-sequences", "2", preexec_fn=file_size_limit(2_000_000), timeout=300)
     assert result.returncode != 0
     assert "step-00000002: checkpoint write failed" in result.stderr and "ulimit -f" in result.stderr, result.stderr[-3000:]
     assert "step 2: rank 0 could not write the checkpoint" in result.stderr, result.stderr[-3000:]
