@@ -64,7 +64,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 @_user_errors
 def extract(
     shards: Annotated[Optional[str], typer.Option(help="Shards this invocation writes, e.g. '0-63' or '3,5,8-11' (default: all).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML config ([extract] table); default ./extract.toml if present, else the embedded default.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[extract] table); default ./extract.toml if present, else the embedded default.")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target model directory (default: the embedded tiny target).")] = None,
     data: Annotated[Optional[list[str]], typer.Option(help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows. Repeatable.")] = None,
     cache: Annotated[Optional[str], typer.Option(help="Cache directory to create or resume (default ./dflash-cache).")] = None,
@@ -75,6 +75,9 @@ def extract(
     max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; longer ones follow --overlong.")] = None,
     overlong: Annotated[Optional[str], typer.Option(help="'truncate' (default), 'skip' or 'error' on over-long samples ('error' stops at the first one, when its shard is reached).")] = None,
     on_error: Annotated[Optional[str], typer.Option(help="'fail' (default) or 'skip' malformed rows (counted in the manifest).")] = None,
+    thinking: Annotated[Optional[bool], typer.Option("--thinking/--no-thinking", help="Render with the template's thinking mode on or off (chat_template_kwargs.enable_thinking; default: the template's own default).")] = None,
+    reasoning: Annotated[Optional[str], typer.Option(help="Reasoning in the data while thinking is off: 'error' (default: refuse the row), 'drop' it, or 'keep' and supervise it.")] = None,
+    generated_by: Annotated[Optional[str], typer.Option(help="Who wrote the responses (e.g. the target's name), recorded in the manifest for rows that do not say.")] = None,
     batch_tokens: Annotated[Optional[int], typer.Option(help="Forward batch budget in tokens, padding included.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,
     json_out: JsonOpt = False,
@@ -88,6 +91,10 @@ def extract(
     overrides = {"target": target, "data": data, "cache": cache, "num_shards": num_shards, "top_k": top_k,
                  "layers": _int_list(layers, "--layers"), "hidden_format": hidden_format, "max_length": max_length,
                  "overlong": overlong, "on_error": on_error, "batch_tokens": batch_tokens, "tp": tp}
+    overrides.update({"reasoning": reasoning, "generated_by": generated_by})
+    if thinking is not None:
+        base = load_config(ExtractConfig, config, {}, section="extract").chat_template_kwargs
+        overrides["chat_template_kwargs"] = {**base, "enable_thinking": thinking}
     cfg = load_config(ExtractConfig, config, overrides, section="extract")
     summary = run_extract(cfg, shards, progress=not json_out)
     if summary["rank"] == 0:
@@ -118,7 +125,7 @@ def _show_extract(summary: dict, json_out: bool) -> None:
 @_user_errors
 def train(
     cache: Annotated[Optional[str], typer.Option(help="Cache directory written by `pipeline extract` (default ./dflash-cache).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML config ([train] table); options below override it; default ./train.toml if present.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[train] table); options below override it; default ./train.toml if present.")] = None,
     preset: Annotated[Optional[str], typer.Option(help="Recipe from manifests/presets ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target directory for the frozen embedding and lm_head (default: the one the cache records).")] = None,
     out: Annotated[Optional[str], typer.Option(help="Run directory: checkpoints/, train_log.jsonl, drafter/ (default ./dflash-run).")] = None,
@@ -327,7 +334,7 @@ def verify_cache(
     target: Annotated[Optional[Path], typer.Option(help="Target directory (default: the one the manifest records, if present).")] = None,
     recompute: Annotated[int, typer.Option(help="Samples to re-run through --target and compare tap by tap.")] = 0,
     sample_rate: Annotated[float, typer.Option(help="Fraction of chunks whose checksums are verified.")] = 1.0,
-    show: Annotated[Optional[int], typer.Option(help="Print this sample decoded, supervised spans highlighted.")] = None,
+    show: Annotated[Optional[int], typer.Option(help="Print this sample decoded, supervised reasoning, content, tool-call and end-of-turn tokens coloured apart.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the sampled chunks and samples.")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
@@ -338,9 +345,10 @@ def verify_cache(
 
     try:
         if show is not None:
-            header, text = show_sample(cache, show, target)
+            header, text, legend = show_sample(cache, show, target)
             if not json_out:
                 console.print(header, markup=False)
+                console.print(legend)
                 console.print(text)
         result = run_verify(cache, shards=shards, target=target, recompute=recompute, sample_rate=sample_rate, seed=seed,
                             progress=not json_out)

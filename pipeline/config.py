@@ -31,6 +31,10 @@ class ExtractConfig:
     on_error: str = "fail"                        # "fail" | "skip"
     end_of_turn: str = "<|im_end|>"
     chat_template_kwargs: dict = field(default_factory=dict)   # e.g. {enable_thinking = false}
+    # Reasoning in the data while thinking is off (DESIGN 3.5): "error" refuses the row, "drop"
+    # removes the reasoning before rendering, "keep" renders and supervises it as the data has it.
+    reasoning: str = "error"
+    generated_by: str | None = None               # who wrote the responses, when rows do not say (DESIGN 3.7)
     compute_dtype: str = "auto"                   # "auto" (bf16 on GPU, fp32 on CPU) | "float32" | "bfloat16"
     batch_tokens: int = 8192                      # forward batch budget, padding included
     zstd_level: int = 3
@@ -48,6 +52,8 @@ class ExtractConfig:
             (self.max_length >= 2, f"max_length must be >= 2, got {self.max_length}"),
             (self.overlong in ("truncate", "skip", "error"), f"overlong must be 'truncate', 'skip' or 'error', got {self.overlong!r}"),
             (self.on_error in ("fail", "skip"), f"on_error must be 'fail' or 'skip', got {self.on_error!r}"),
+            (self.reasoning in ("error", "drop", "keep"), f"reasoning must be 'error', 'drop' or 'keep', got {self.reasoning!r}"),
+            (isinstance(self.chat_template_kwargs, dict), "chat_template_kwargs must be a table"),
             (self.compute_dtype in ("auto", "float32", "bfloat16"), f"compute_dtype must be auto/float32/bfloat16, got {self.compute_dtype!r}"),
             (self.batch_tokens >= 1, f"batch_tokens must be >= 1, got {self.batch_tokens}"),
             (1 <= self.zstd_level <= 22, f"zstd_level must be in 1..22, got {self.zstd_level}"),

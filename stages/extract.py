@@ -25,7 +25,7 @@ from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
 from pipeline.data.conversations import index_rows, iter_rows
-from pipeline.data.loss_mask import tokenize_conversation
+from pipeline.data.loss_mask import REASONING, TOOL_CALL, ConversationMasker, generation_prompt
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import Layout, init_layout
 from pipeline.errors import PipelineError
@@ -81,11 +81,16 @@ def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device
     return model, tokenizer, plan
 
 
-def scan_dataset(paths: list[Path], on_error: str) -> dict:
+def scan_dataset(paths: list[Path], on_error: str, masker: ConversationMasker | None = None) -> dict:
     """One validating pass over the dataset: row count, malformed rows (fail fast before any GPU
-    work), where each row starts (so each shard reads only its rows) and file digests, so the
-    shard plan and the manifest's data identity are known up front."""
-    index, malformed = index_rows(paths, on_error)
+    work and before the manifest is written: every conversation is rendered with the chat
+    template, ~0.03-0.3 ms a row), where each row starts (so each shard reads only its rows) and
+    file digests, so the shard plan and the manifest's data identity are known up front."""
+    def check(row):
+        if row.messages is not None and masker is not None:
+            masker.render(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
+
+    index, malformed = index_rows(paths, on_error, check)
     num_rows = sum(index.counts)
     if num_rows == 0:
         raise PipelineError(f"{', '.join(map(str, paths))}: the dataset has no rows")
@@ -98,7 +103,7 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, t
     """Everything that decides the cache's content; a later invocation must match it exactly."""
     import hashlib
     template = tokenizer.chat_template or ""
-    thinking = cfg.chat_template_kwargs.get("enable_thinking")
+    prompt = generation_prompt(tokenizer, cfg.chat_template_kwargs)
     return {
         "num_shards": cfg.num_shards,
         "target": {"model_type": facts.model_type, "config_sha256": facts.config_sha256,
@@ -106,9 +111,12 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, t
         "tokenizer": {"files_sha256": tokenizer_digest(target_dir),
                       "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
                       "chat_template_kwargs": cfg.chat_template_kwargs,
-                      "thinking": "template default" if thinking is None else ("on" if thinking else "off"),
+                      "thinking": "on" if prompt.thinking else "off",
+                      "generation_prompt": prompt.header + prompt.supplied,
+                      "reasoning": cfg.reasoning,
+                      "boundary_tokens": "supervised when any of their characters is generated",
                       "end_of_turn": cfg.end_of_turn},
-        "data": {"num_rows": dataset["num_rows"], "files": dataset["files"]},
+        "data": {"num_rows": dataset["num_rows"], "files": dataset["files"], "generated_by": cfg.generated_by},
         "capture": {"target_layer_ids": taps, "tap_convention": TAP_CONVENTION,
                     "num_hidden_layers": facts.num_hidden_layers, "hidden_size": facts.hidden_size,
                     "vocab_size": facts.vocab_size, "top_k": cfg.top_k, "hidden_format": cfg.hidden_format,
@@ -118,32 +126,40 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, t
     }
 
 
+# Per-shard counts of what the rows carried and what got supervised (summed over shards in the summary).
+CONTENT_COUNTS = ("rows_with_reasoning", "rows_with_tool_calls", "rows_with_tool_replies", "reasoning_turns_dropped",
+                  "reasoning_turns_not_rendered", "supervised_tokens", "reasoning_tokens", "tool_call_tokens")
+ROW_COUNTS = ("malformed", "no_supervised_tokens", "overlong_skipped", "truncated")
+
+
 def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenizer, vocab_size: int,
                     index=None) -> tuple[list, dict]:
     """(samples [(sample_id, input_ids, loss_mask)], counts) for one shard's rows."""
-    counts = {"rows": len(rows), "malformed": 0, "no_supervised_tokens": 0, "overlong_skipped": 0, "truncated": 0}
+    counts = {"rows": len(rows), **dict.fromkeys(ROW_COUNTS + CONTENT_COUNTS, 0), "generated_by": {}}
+    masker = ConversationMasker(tokenizer, cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
+
+    def refuse(message: str) -> None:
+        if cfg.on_error != "skip":
+            raise PipelineError(message)
+        counts["malformed"] += 1
+
     samples = []
     for item in iter_rows(paths, on_error=cfg.on_error, wanted=rows, index=index):
         if isinstance(item, PipelineError):
             counts["malformed"] += 1
             continue
+        tok = None
         if item.messages is not None:
             try:
-                tok = tokenize_conversation(tokenizer, item.messages, cfg.end_of_turn, **cfg.chat_template_kwargs)
-            except Exception as e:  # noqa: BLE001 - template errors come in many types
-                message = f"{item.where}: cannot apply the chat template ({str(e).splitlines()[0]})"
-                if cfg.on_error != "skip":
-                    raise PipelineError(message) from None
-                counts["malformed"] += 1
+                tok = masker(item.messages, tools=item.tools, row_kwargs=item.template_kwargs, where=item.where)
+            except PipelineError as e:
+                refuse(str(e))
                 continue
             ids, mask = tok.input_ids, tok.loss_mask
         else:
             ids, mask = item.input_ids, item.loss_mask
             if max(ids, default=0) >= vocab_size:
-                message = f"{item.where}: field 'input_ids' has id {max(ids)} >= vocab_size {vocab_size}"
-                if cfg.on_error != "skip":
-                    raise PipelineError(message)
-                counts["malformed"] += 1
+                refuse(f"{item.where}: field 'input_ids' has id {max(ids)} >= vocab_size {vocab_size}")
                 continue
         if len(ids) > cfg.max_length:
             if cfg.overlong == "error":
@@ -157,6 +173,18 @@ def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenize
         if not any(mask):
             counts["no_supervised_tokens"] += 1
             continue
+        if tok is not None:
+            counts["rows_with_reasoning"] += bool(tok.stats["reasoning_turns"])
+            counts["rows_with_tool_calls"] += bool(tok.stats["tool_call_turns"])
+            counts["rows_with_tool_replies"] += bool(tok.stats["tool_replies"])
+            counts["reasoning_turns_dropped"] += tok.stats["reasoning_turns_dropped"]
+            counts["reasoning_turns_not_rendered"] += tok.stats["reasoning_turns_not_rendered"]
+            kept = tok.kinds[:len(ids)]  # a truncated row counts only the tokens it keeps
+            counts["reasoning_tokens"] += kept.count(REASONING)
+            counts["tool_call_tokens"] += kept.count(TOOL_CALL)
+        counts["supervised_tokens"] += sum(mask)
+        source = item.generated_by or cfg.generated_by or "unknown"
+        counts["generated_by"][source] = counts["generated_by"].get(source, 0) + 1
         samples.append((item.sample_id, ids, mask))
     return samples, counts
 
@@ -202,7 +230,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         raise PipelineError(f"top_k {cfg.top_k} exceeds the target's vocab_size {facts.vocab_size}")
     selected = parse_shards(shards_spec, cfg.num_shards)
     paths = resolve_data(cfg.data)
-    dataset = scan_dataset(paths, cfg.on_error)
+    masker = ConversationMasker(load_tokenizer(target_dir), cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
+    dataset = scan_dataset(paths, cfg.on_error, masker)
 
     use_cuda = torch.cuda.is_available()
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bfloat16" if use_cuda else "float32")
@@ -257,8 +286,13 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
               "shards_locked_elsewhere": skipped["locked"],
               "samples": sum(r["samples"] for r in run.records), "tokens": sum(r["tokens"] for r in run.records),
               "stored_bytes": sum(r["bytes"] for r in run.records)}
-    for key in ("malformed", "no_supervised_tokens", "overlong_skipped", "truncated"):
-        totals[key] = sum(r["counts"][key] for r in run.records)
+    for key in ROW_COUNTS + CONTENT_COUNTS:
+        totals[key] = sum(r["counts"].get(key, 0) for r in run.records)
+    totals["reasoning_share"] = totals["reasoning_tokens"] / totals["supervised_tokens"] if totals["supervised_tokens"] else None
+    totals["generated_by"] = {}
+    for r in run.records:
+        for source, n in r["counts"].get("generated_by", {}).items():
+            totals["generated_by"][source] = totals["generated_by"].get(source, 0) + n
     raw_hidden = len(taps) * facts.hidden_size * 2
     tokens = max(totals["tokens"], 1)
     return {

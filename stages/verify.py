@@ -30,7 +30,7 @@ from pipeline.cache.checks import (
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import shard_name
 from pipeline.data.conversations import iter_rows
-from pipeline.data.loss_mask import tokenize_conversation
+from pipeline.data.loss_mask import ConversationMasker, token_kinds
 from pipeline.data.shard_plan import parse_shards
 from pipeline.errors import PipelineError
 from pipeline.provenance import KernelCallCounter, kernel_record, sha256_file, tokenizer_digest
@@ -46,16 +46,16 @@ def select_shards(reader: CacheReader, spec: str | None) -> list[str]:
 
 
 def pick_samples(reader: CacheReader, shards: list[str], n: int, seed: int) -> list[tuple[str, int]]:
-    pool = []
-    for name in shards:
-        rec = reader.manifest["shards"][name]
-        pool.append((name, rec["samples"]))
-    rng = random.Random(seed)
+    """n distinct (shard, row) pairs drawn uniformly without replacement (all of them when n >= total)."""
+    counts = [reader.manifest["shards"][name]["samples"] for name in shards]
+    starts = np.cumsum([0] + counts)
+    total = int(starts[-1])
+    drawn = range(total) if n >= total else random.Random(seed).sample(range(total), n)
     picks = []
-    for _ in range(min(n, sum(c for _, c in pool))):
-        name, count = rng.choices(pool, weights=[c for _, c in pool])[0]
-        picks.append((name, rng.randrange(count)))
-    return sorted(set(picks))
+    for index in drawn:
+        k = int(np.searchsorted(starts, index, side="right")) - 1
+        picks.append((shards[k], int(index - starts[k])))
+    return sorted(picks)
 
 
 def resolve_recorded_target(reader: CacheReader, target: Path | None) -> Path | None:
@@ -159,6 +159,9 @@ def check_loss_masks(reader: CacheReader, picks, tokenizer) -> Check:
         shard = reader.shard(name)
         wanted[int(shard.sample_ids[row])] = shard
     rows = {r.sample_id: r for r in iter_rows(paths, on_error="skip", wanted=set(wanted)) if not isinstance(r, PipelineError)}
+    # The same rule extract applied, in the mode and with the reasoning policy the manifest records.
+    masker = ConversationMasker(tokenizer, tok_cfg["end_of_turn"], tok_cfg["chat_template_kwargs"],
+                                tok_cfg.get("reasoning", "error"))
     mismatched, spans = [], {}
     for sid, shard in sorted(wanted.items()):
         row = rows.get(sid)
@@ -166,7 +169,11 @@ def check_loss_masks(reader: CacheReader, picks, tokenizer) -> Check:
             mismatched.append(f"sample {sid}: row not readable in the dataset")
             continue
         if row.messages is not None:
-            t = tokenize_conversation(tokenizer, row.messages, tok_cfg["end_of_turn"], **tok_cfg["chat_template_kwargs"])
+            try:
+                t = masker(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
+            except PipelineError as e:
+                mismatched.append(f"sample {sid}: cannot be re-derived ({e})")
+                continue
             ids, mask = t.input_ids, t.loss_mask
         else:
             ids, mask = row.input_ids, row.loss_mask
@@ -252,8 +259,13 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+SPAN_STYLES = {"reasoning": "bold black on yellow", "content": "bold black on green", "tool_call": "bold white on blue",
+               "end_of_turn": "bold white on magenta", "": "dim"}
+
+
 def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
-    """A rich Text of the decoded sample, supervised tokens highlighted, and its span summary."""
+    """A rich Text of the decoded sample, supervised tokens coloured by kind (reasoning, content,
+    tool call, end of turn), and its span summary."""
     from rich.text import Text
 
     reader = open_cache(cache_dir)
@@ -263,11 +275,16 @@ def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
         raise PipelineError("--show needs the target's tokenizer: pass --target")
     tokenizer = load_tokenizer(target_dir)
     ids, mask = shard.read("input_ids", sample_id).tolist(), shard.read("loss_mask", sample_id).tolist()
+    pieces = [tokenizer.decode([token]) for token in ids]
+    ends = np.cumsum([len(p) for p in pieces])
+    offsets = np.stack([ends - [len(p) for p in pieces], ends], axis=1) if pieces else np.zeros((0, 2), dtype=np.int64)
+    kinds = token_kinds("".join(pieces), offsets, mask, reader.manifest["config"]["tokenizer"]["end_of_turn"])
     text = Text()
-    for token, m in zip(ids, mask):
-        piece = tokenizer.decode([token])
-        text.append(piece, style="bold black on green" if m else "dim")
+    for piece, kind in zip(pieces, kinds):
+        text.append(piece, style=SPAN_STYLES[kind])
     supervised = [i for i, m in enumerate(mask) if m]
-    header = (f"sample {sample_id} ({shard.path.name}): {len(ids)} tokens, {len(supervised)} supervised, "
+    by_kind = ", ".join(f"{kinds.count(k)} {k.replace('_', ' ')}" for k in ("reasoning", "content", "tool_call", "end_of_turn"))
+    legend = "  ".join(f"[{SPAN_STYLES[k]}] {k.replace('_', ' ')} [/]" for k in ("reasoning", "content", "tool_call", "end_of_turn"))
+    header = (f"sample {sample_id} ({shard.path.name}): {len(ids)} tokens, {len(supervised)} supervised ({by_kind}), "
               f"first {supervised[0] if supervised else None}, last {supervised[-1] if supervised else None}")
-    return header, text
+    return header, text, legend

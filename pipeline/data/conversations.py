@@ -1,6 +1,11 @@
 """Read training conversations: JSONL or Parquet; OpenAI `messages`, ShareGPT `conversations`, or
 pre-tokenized `input_ids` + `loss_mask`.
 
+A message keeps every field a chat template reads (DESIGN 3.5): `reasoning_content` (or
+`reasoning`), `tool_calls`, `tool` replies with `tool_call_id`/`name`, `content: null`, text parts;
+a row keeps its `tools`, `chat_template_kwargs` and `generated_by`. Nothing is dropped silently:
+a field in a shape we cannot pass on is an error naming the row.
+
 Rows are numbered across the given files in order (blank JSONL lines are not rows); that number
 is the stable `sample_id`. Every problem names the file and line (or Parquet row) and the field.
 """
@@ -10,14 +15,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from pipeline.errors import PipelineError
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-ROLES = ("system", "user", "assistant")
+# ShareGPT speakers onto OpenAI roles. `function_call` is an assistant turn that calls a tool (its
+# value is the call as JSON); `observation` is the tool's reply.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +35,9 @@ class Row:
     messages: list[dict] | None = None
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
+    tools: list[dict] | None = None              # function schemas the template renders into the system turn
+    template_kwargs: dict | None = None          # the row's own chat_template_kwargs, over the config's
+    generated_by: str | None = None              # who wrote the responses, when the row says (DESIGN 3.7)
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -74,8 +85,9 @@ class RowIndex:
     offsets: list[np.ndarray | None]
 
 
-def index_rows(paths: list[Path], on_error: str = "fail") -> tuple[RowIndex, int]:
-    """One validating pass over the dataset: (index, number of malformed rows). With
+def index_rows(paths: list[Path], on_error: str = "fail", check: Callable[[Row], object] | None = None) -> tuple[RowIndex, int]:
+    """One validating pass over the dataset: (index, number of malformed rows). `check` (e.g.
+    rendering with the chat template) may refuse a parsed row with a PipelineError. With
     on_error='fail' the first bad row raises its PipelineError."""
     counts, lines, offsets, malformed, sample_id = [], [], [], 0, 0
     for path in paths:
@@ -88,7 +100,9 @@ def index_rows(paths: list[Path], on_error: str = "fail") -> tuple[RowIndex, int
         file_lines, file_offsets, count = [], [], 0
         for where, obj, n, off in items:
             try:
-                parse_row(sample_id, where, obj)
+                row = parse_row(sample_id, where, obj)
+                if check is not None:
+                    check(row)
             except PipelineError:
                 if on_error != "skip":
                     raise
@@ -117,31 +131,167 @@ def parse_row(sample_id: int, where: str, obj) -> Row:
             raise PipelineError(f"{where}: field 'loss_mask' must be a list of 0/1 as long as 'input_ids'")
         return Row(sample_id=sample_id, where=where, input_ids=ids, loss_mask=[int(m) for m in mask])
     if "messages" in obj:
-        turns = obj["messages"]
-        role_key, content_key, roles = "role", "content", {r: r for r in ROLES}
-        field = "messages"
+        turns, field, sharegpt = obj["messages"], "messages", False
     elif "conversations" in obj:
-        turns = obj["conversations"]
-        role_key, content_key, roles = "from", "value", SHAREGPT_ROLES
-        field = "conversations"
+        turns, field, sharegpt = obj["conversations"], "conversations", True
     else:
         raise PipelineError(f"{where}: row has none of 'messages', 'conversations', 'input_ids'")
     if not isinstance(turns, list) or not turns:
         raise PipelineError(f"{where}: field '{field}' must be a non-empty list")
     messages = []
     for i, turn in enumerate(turns):
+        at = f"{where}: {field}[{i}]"
         if not isinstance(turn, dict):
-            raise PipelineError(f"{where}: {field}[{i}] must be an object")
-        role = turn.get(role_key)
-        if role not in roles:
-            raise PipelineError(f"{where}: {field}[{i}].{role_key} is {role!r}; expected one of {sorted(roles)}")
-        content = turn.get(content_key)
-        if not isinstance(content, str):
-            raise PipelineError(f"{where}: {field}[{i}].{content_key} must be a string, got {type(content).__name__}")
-        messages.append({"role": roles[role], "content": content})
+            raise PipelineError(f"{at} must be an object")
+        messages.append(_sharegpt_message(at, turn) if sharegpt else _openai_message(at, turn))
+    _check_tool_replies(where, field, messages)
     if not any(m["role"] == "assistant" for m in messages):
         raise PipelineError(f"{where}: field '{field}' has no assistant turn, so nothing to learn from")
-    return Row(sample_id=sample_id, where=where, messages=messages)
+    return Row(sample_id=sample_id, where=where, messages=messages, tools=_tools(where, obj.get("tools")),
+               template_kwargs=_template_kwargs(where, obj.get("chat_template_kwargs")),
+               generated_by=_generated_by(where, obj.get("generated_by")))
+
+
+def _openai_message(at: str, turn: dict) -> dict:
+    """One message as the chat template reads it: every field it renders kept, normalised so that
+    all Qwen3.x templates accept it (tool-call arguments as objects, text parts joined)."""
+    role = turn.get("role")
+    if role not in ROLES:
+        raise PipelineError(f"{at}.role is {role!r}; expected one of {sorted(ROLES)}")
+    message = {"role": role, "content": _content(at, turn.get("content"), nullable=role == "assistant")}
+    if role == "assistant":
+        reasoning = _reasoning(at, turn)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if turn.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(at, turn["tool_calls"])
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if turn.get(key) is not None:
+                if not isinstance(turn[key], str):
+                    raise PipelineError(f"{at}.{key} must be a string, got {type(turn[key]).__name__}")
+                message[key] = turn[key]
+    return message
+
+
+def _sharegpt_message(at: str, turn: dict) -> dict:
+    speaker = turn.get("from")
+    if speaker not in SHAREGPT_ROLES:
+        raise PipelineError(f"{at}.from is {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}")
+    role, value = SHAREGPT_ROLES[speaker], turn.get("value")
+    if speaker == "function_call":
+        # LLaMA-Factory's convention: the value is the call, {"name": ..., "arguments": ...}.
+        call = _json_value(f"{at}.value", value) if isinstance(value, str) else value
+        return {"role": "assistant", "content": None, "tool_calls": _tool_calls(f"{at}.value", [call])}
+    if not isinstance(value, str):
+        raise PipelineError(f"{at}.value must be a string, got {type(value).__name__}")
+    message = {"role": role, "content": value}
+    if role == "assistant":
+        reasoning = _reasoning(at, turn)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+    return message
+
+
+def _content(at: str, content, *, nullable: bool) -> str | None:
+    """A string; None where the role may omit it (an assistant turn that only calls a tool); an
+    OpenAI list of parts with its text parts joined. Anything else is refused, never dropped."""
+    if isinstance(content, str):
+        return content
+    if content is None and nullable:
+        return None
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise PipelineError(f"{at}.content[{k}] is a {kind!r} part; only text parts can be trained on")
+            texts.append(part["text"])
+        # Concatenated as they are: OpenAI's meaning of a list of text parts, and what the Qwen3.5/3.6
+        # templates themselves do with one.
+        return "".join(texts)
+    kind = "null" if content is None else type(content).__name__
+    raise PipelineError(f"{at}.content must be a string or a list of text parts, got {kind}")
+
+
+def _reasoning(at: str, turn: dict) -> str | None:
+    """`reasoning_content` (Qwen's templates, vLLM) or `reasoning` (other OpenAI-compatible servers)."""
+    values = {key: turn[key] for key in ("reasoning_content", "reasoning") if turn.get(key) is not None}
+    for key, value in values.items():
+        if not isinstance(value, str):
+            raise PipelineError(f"{at}.{key} must be a string, got {type(value).__name__}")
+    if len(set(values.values())) > 1:
+        raise PipelineError(f"{at} has both 'reasoning_content' and 'reasoning', and they differ")
+    return next(iter(values.values()), None)
+
+
+def _tool_calls(at: str, calls) -> list[dict]:
+    """OpenAI tool calls, {"type": "function", "function": {"name", "arguments"}} (a flat
+    {"name", "arguments"} is accepted too). Arguments given as a JSON string become an object, as
+    serving engines do before rendering (the Qwen3.5/3.6 templates iterate over them)."""
+    if not isinstance(calls, list):
+        raise PipelineError(f"{at}.tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for k, call in enumerate(calls):
+        here = f"{at}.tool_calls[{k}]"
+        if not isinstance(call, dict):
+            raise PipelineError(f"{here} must be an object")
+        function = call.get("function", call)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise PipelineError(f"{here} needs a function name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = _json_value(f"{here}.arguments", arguments) if arguments.strip() else {}
+        if not isinstance(arguments, dict):
+            raise PipelineError(f"{here}.arguments must be a JSON object, got {type(arguments).__name__}")
+        normalised = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            normalised["id"] = call["id"]
+        out.append(normalised)
+    return out
+
+
+def _json_value(at: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{at} is not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _check_tool_replies(where: str, field: str, messages: list[dict]) -> None:
+    """A tool reply answers a call: it follows an assistant turn with tool calls (or another reply)."""
+    for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            continue
+        before = next((p for p in reversed(messages[:i]) if p["role"] != "tool"), None)
+        if before is None or before["role"] != "assistant" or not before.get("tool_calls"):
+            raise PipelineError(f"{where}: {field}[{i}] is a tool reply with no tool call before it")
+
+
+def _tools(where: str, tools) -> list[dict] | None:
+    if isinstance(tools, str):  # ShareGPT datasets often carry the schema list as a JSON string
+        tools = _json_value(f"{where}: field 'tools'", tools)
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise PipelineError(f"{where}: field 'tools' must be a list of function schemas (objects)")
+    return tools
+
+
+def _template_kwargs(where: str, kwargs) -> dict | None:
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise PipelineError(f"{where}: field 'chat_template_kwargs' must be an object")
+    return kwargs or None
+
+
+def _generated_by(where: str, value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    if not isinstance(value, str):
+        raise PipelineError(f"{where}: field 'generated_by' must be a string or an object")
+    return value
 
 
 def iter_rows(paths: list[Path], *, on_error: str = "fail", wanted: range | set[int] | None = None,
