@@ -230,6 +230,9 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         raise PipelineError(f"top_k {cfg.top_k} exceeds the target's vocab_size {facts.vocab_size}")
     selected = parse_shards(shards_spec, cfg.num_shards)
     paths = resolve_data(cfg.data)
+    if cfg.generated_by is None and all(d.startswith("embedded:") for d in cfg.data):
+        from dataclasses import replace
+        cfg = replace(cfg, generated_by="the embedded target itself, greedy (pipeline/toy/generate.py)")
     masker = ConversationMasker(load_tokenizer(target_dir), cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
     dataset = scan_dataset(paths, cfg.on_error, masker)
 

@@ -36,6 +36,21 @@ def test_stage_options_are_documented(command, options):
         assert option in result.output, f"{command} --help lacks {option}"
 
 
+def test_help_texts_survive_rich_markup():
+    """Rich reads "[word]" in a help text as a style tag and prints nothing for it: every help text
+    must render with all its brackets (escape them as "\\[")."""
+    import typer.main
+    from rich.text import Text
+    group = typer.main.get_command(app)
+    texts = []
+    for name, command in group.commands.items():
+        texts += [(name, command.help or "")] + [(f"{name} {p.name}", getattr(p, "help", None) or "") for p in command.params]
+    for where, text in texts:
+        assert Text.from_markup(text).plain.count("[") == text.replace("\\[", "[").count("["), (where, text)
+    assert "([extract] table)" in " ".join(invoke("extract", "--help").output.split())
+    assert "([train] table)" in " ".join(invoke("train", "--help").output.split())
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cache", "{tmp}/nope"], "{tmp}/nope: no manifest.json"),
     (["--cache", "{tmp}", "--loss", "mse"], "loss must be 'ce' or 'kl', got 'mse'"),
