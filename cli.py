@@ -145,6 +145,7 @@ def train(
     log_every: Annotated[Optional[int], typer.Option(help="Steps between train_log.jsonl lines.")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Steps between training checkpoints.")] = None,
     allow_mixed_provenance: Annotated[Optional[bool], typer.Option("--allow-mixed-provenance", help="Train on shards computed by different linear-attention kernels (warns).")] = None,
+    allow_incomplete_cache: Annotated[Optional[bool], typer.Option("--allow-incomplete-cache", help="Train on a cache whose shards are not all committed (warns; recorded in run.json).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
@@ -160,7 +161,7 @@ def train(
                  "micro_batch_sequences": micro_batch_sequences, "num_anchors": num_anchors, "block_size": block_size,
                  "num_hidden_layers": num_hidden_layers, "loss": loss, "noise_std": noise_std, "dtype": dtype,
                  "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
-                 "allow_mixed_provenance": allow_mixed_provenance}
+                 "allow_mixed_provenance": allow_mixed_provenance, "allow_incomplete_cache": allow_incomplete_cache}
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     summary = run_train(cfg, preset_target=preset_target, resume=resume, view=TrainView(rank0 and not json_out),
@@ -332,7 +333,10 @@ def verify_cache(
     cache: Annotated[Path, typer.Argument(help="Cache directory to verify.")],
     shards: Annotated[Optional[str], typer.Option(help="Only these shards, e.g. '0-7'.")] = None,
     target: Annotated[Optional[Path], typer.Option(help="Target directory (default: the one the manifest records, if present).")] = None,
-    recompute: Annotated[int, typer.Option(help="Samples to re-run through --target and compare tap by tap.")] = 0,
+    recompute: Annotated[int, typer.Option(help="Samples to re-run through --target from the embeddings and compare tap by tap: one of every shard, the longest and the truncated ones first, then random ones.")] = 0,
+    tail_rate: Annotated[float, typer.Option(help="Fraction of samples whose stored deepest tap is run through the layers after it, the final norm and the lm_head and compared with the stored predictions (default: every sample; 0: off).")] = 1.0,
+    device: Annotated[str, typer.Option(help="Where the model checks run: auto (a GPU when present), cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Model dtype for the checks: auto (bfloat16 on a GPU, float32 on CPU), float32 or bfloat16.")] = "auto",
     sample_rate: Annotated[float, typer.Option(help="Fraction of chunks whose checksums are verified.")] = 1.0,
     show: Annotated[Optional[int], typer.Option(help="Print this sample decoded, supervised reasoning, content, tool-call and end-of-turn tokens coloured apart.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the sampled chunks and samples.")] = 0,
@@ -350,7 +354,8 @@ def verify_cache(
                 console.print(header, markup=False)
                 console.print(legend)
                 console.print(text)
-        result = run_verify(cache, shards=shards, target=target, recompute=recompute, sample_rate=sample_rate, seed=seed,
+        result = run_verify(cache, shards=shards, target=target, recompute=recompute, tail_rate=tail_rate,
+                            sample_rate=sample_rate, seed=seed, device=device, dtype=dtype,
                             progress=not json_out)
     except PipelineError as e:
         if _state["debug"]:

@@ -70,3 +70,37 @@ class Capture:
             "target_topk_logits": torch.cat(logits),
             "target_logsumexp": torch.cat(lse),
         }
+
+
+class _PassThrough(torch.nn.Module):
+    """Stands in for a decoder layer whose output is already known (the stored tap)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+@torch.no_grad()
+def tail_forward(model, deepest_tap: int, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The target's final hidden states (after the final norm) from a stored tap (DESIGN 10).
+
+    The tap of layer i is `hidden_states[i + 1]`, exactly the input of layer i + 1, so layers
+    0..i are replaced by pass-throughs for this call and the tap is fed as `inputs_embeds`:
+    the model's own forward then runs layers i+1..L-1 with their real masks and rotary
+    embeddings (layer indices unchanged). Costs (L-1-i)/L of a forward, plus the lm_head the
+    caller applies. Batches are right-padded; every layer is causal, so padding is never seen."""
+    width = max(len(t) for t in batch)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    x = torch.zeros(len(batch), width, batch[0].shape[-1], dtype=dtype, device=device)
+    for row, tap in enumerate(batch):
+        x[row, :len(tap)] = tap.to(device=device, dtype=dtype)
+    layers = model.model.layers
+    skipped = [layers[i] for i in range(deepest_tap + 1)]
+    try:
+        for i in range(deepest_tap + 1):
+            layers[i] = _PassThrough()
+        last = model.model(inputs_embeds=x, use_cache=False).last_hidden_state
+    finally:
+        for i, layer in enumerate(skipped):
+            layers[i] = layer
+    return [last[row, :len(tap)] for row, tap in enumerate(batch)]

@@ -146,6 +146,7 @@ class TrainConfig:
     prefetch: int = 16                       # decoded samples read ahead per rank
     loader_workers: int = 0                  # loader processes per rank; 0: a thread in the training process (measured faster on CPU, BENCHMARKS.md)
     allow_mixed_provenance: bool = False
+    allow_incomplete_cache: bool = False     # train on a cache whose shards are not all committed (warns, recorded)
 
     def __post_init__(self):
         checks = [

@@ -48,13 +48,18 @@ def _kind(impl) -> str:
 
 
 def bound_kernels(modeling_module) -> dict:
+    """{op: {kind, implementation}}. The wrapper copies the torch function's name onto itself, so
+    only its closure tells what it dispatches to: without that closure (transformers renamed its
+    internals, or stopped wrapping) the kind is "unknown", never a guess from the name."""
     out = {}
     for attr, op in LINEAR_ATTENTION_OPS.items():
         fn = getattr(modeling_module, attr, None)
         if fn is None:
             continue
-        impl = getattr(fn, "_counted_original", fn)
-        impl = _closure_value(impl, "implementation") or impl
+        impl = _closure_value(getattr(fn, "_counted_original", fn), "implementation")
+        if impl is None:
+            out[op] = {"kind": "unknown", "implementation": f"undetermined ({attr} has no 'implementation' closure)"}
+            continue
         out[op] = {"kind": _kind(impl), "implementation": f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"}
     return out
 
@@ -94,6 +99,9 @@ def kernel_record(model, counts: dict[str, int]) -> dict:
     bound = bound_kernels(sys.modules[type(model).__module__])
     ops = {op: {**info, "calls": counts.get(op, 0)} for op, info in bound.items()}
     called = sorted({info["kind"] for info in ops.values() if info["calls"]})
+    linear = "linear_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or [])
+    if linear and (not bound or any(info["kind"] == "unknown" for info in bound.values())):
+        return {"ops": ops, "path": "unknown"}  # linear attention ran through code we cannot identify
     return {"ops": ops, "path": "+".join(called) if called else "none"}
 
 

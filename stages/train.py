@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.cache.files import write_json_atomic
-from pipeline.cache.manifest import read_manifest
+from pipeline.cache.manifest import describe_missing, missing_shards, read_manifest
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.drafter.blocks import default_gamma
@@ -42,7 +42,7 @@ from pipeline.target import TargetFacts, read_target_facts
 # Options that may change between a checkpoint and its resume without changing the result
 # (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
 RESUMABLE_CHANGES = {"out", "cache", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
-                     "loader_workers", "allow_mixed_provenance", "micro_batch_sequences"}
+                     "loader_workers", "allow_mixed_provenance", "allow_incomplete_cache", "micro_batch_sequences"}
 
 
 # --------------------------------------------------------------------------- configuration
@@ -206,6 +206,13 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
                      weights=weight_digests(target_dir), taps=cfg.target_layer_ids, preset_target=preset_target,
                      preset_name=cfg.preset, allow_mixed_provenance=cfg.allow_mixed_provenance,
                      warn=warn if rank == 0 else (lambda *_: None))
+    incomplete = missing_shards(manifest)
+    if incomplete["missing"]:
+        if not cfg.allow_incomplete_cache:
+            raise PipelineError(f"{cfg.cache}: incomplete cache: {describe_missing(incomplete)}; finish the "
+                                "extraction, or pass --allow-incomplete-cache to train on what is there")
+        if rank == 0:
+            warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
     taps = list(manifest["config"]["capture"]["target_layer_ids"])
     config = drafter_config(cfg, facts, target_dir, taps)
     embed, head = frozen_target_modules(target_dir)
@@ -235,6 +242,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             "config": asdict(cfg), "target": str(target_dir), "cache": str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
+            "incomplete_cache": incomplete if incomplete["missing"] else None,
             "resumed_from_step": step})
 
     trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))

@@ -19,23 +19,35 @@ import torch
 
 from pipeline.cache.checks import (
     Check,
+    SampleList,
     check_alignment,
     check_chunks,
     check_digests,
     check_provenance,
     check_structure,
     open_cache,
+    sample_windows,
     sound_shards,
 )
+from pipeline.capture import tail_forward
+from pipeline.cache.manifest import describe_missing, missing_shards
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import shard_name
-from pipeline.data.conversations import iter_rows
-from pipeline.data.loss_mask import ConversationMasker, token_kinds
+from pipeline.data.conversations import index_rows, iter_rows
+from pipeline.data.loss_mask import ConversationMasker, mask_violations, newline_tokens, token_kinds
 from pipeline.data.shard_plan import parse_shards
 from pipeline.errors import PipelineError
 from pipeline.provenance import KernelCallCounter, kernel_record, sha256_file, tokenizer_digest
 from pipeline.target import load_model, load_tokenizer, read_target_facts
 from pipeline.ui import ProgressBar
+
+
+# How far a stored prediction may be from the tail recompute, in logits, by hidden format: the
+# stored tap is rounded to bf16 (or fp8), so the recompute starts from a slightly different
+# input. Measured on the embedded target (BENCHMARKS.md) with a wide margin; the faults verify
+# must catch (a tap shifted by a position, taken from the layer before) are far above.
+TAIL_TOLERANCE = {"bf16": {"argmax": 0.1, "topk": 0.25, "logsumexp": 0.15},
+                  "fp8": {"argmax": 0.5, "topk": 1.5, "logsumexp": 0.6}}
 
 
 def select_shards(reader: CacheReader, spec: str | None) -> list[str]:
@@ -45,17 +57,41 @@ def select_shards(reader: CacheReader, spec: str | None) -> list[str]:
     return [s for s in reader.shards if s in wanted]
 
 
-def pick_samples(reader: CacheReader, shards: list[str], n: int, seed: int) -> list[tuple[str, int]]:
-    """n distinct (shard, row) pairs drawn uniformly without replacement (all of them when n >= total)."""
-    counts = [reader.manifest["shards"][name]["samples"] for name in shards]
-    starts = np.cumsum([0] + counts)
-    total = int(starts[-1])
-    drawn = range(total) if n >= total else random.Random(seed).sample(range(total), n)
-    picks = []
-    for index in drawn:
+def stratified_picks(reader: CacheReader, shards: list[str], n: int, seed: int) -> list[tuple[str, int]]:
+    """(shard, row) pairs for the full recompute (DESIGN 10): one random sample of every shard, the
+    longest sample, the truncated ones (as long as max_length), then random ones, up to n; more
+    when there are more shards than n, since every shard is covered."""
+    rng = random.Random(seed)
+    max_length = reader.manifest["config"]["capture"]["max_length"]
+    lengths = [np.diff(reader.shard(name).offsets) for name in shards]
+    budget = max(n, len(shards) + 1)
+    picks: list[tuple[str, int]] = []
+
+    def take(k: int, row: int) -> None:
+        if (shards[k], row) not in picks and len(picks) < budget:
+            picks.append((shards[k], row))
+
+    for k in range(len(shards)):
+        take(k, rng.randrange(len(lengths[k])))
+    longest = max(range(len(shards)), key=lambda k: lengths[k].max())
+    take(longest, int(lengths[longest].argmax()))
+    for k in range(len(shards)):
+        for row in np.flatnonzero(lengths[k] >= max_length):
+            take(k, int(row))
+    starts = np.cumsum([0] + [len(x) for x in lengths])
+    for index in rng.sample(range(int(starts[-1])), min(int(starts[-1]), 2 * budget)):
         k = int(np.searchsorted(starts, index, side="right")) - 1
-        picks.append((shards[k], int(index - starts[k])))
-    return sorted(picks)
+        take(k, int(index - starts[k]))
+    return picks
+
+
+def check_completeness(reader: CacheReader, spec: str | None) -> Check:
+    """Every one of the cache's num_shards (or of --shards) is committed."""
+    wanted = None if spec is None else parse_shards(spec, reader.manifest["config"]["num_shards"])
+    found = missing_shards(reader.manifest, wanted)
+    if not found["missing"]:
+        return Check("completeness", True, f"all {found['checked']} shards committed", found)
+    return Check("completeness", False, describe_missing(found) + "; extract the missing shards (same command)", found)
 
 
 def resolve_recorded_target(reader: CacheReader, target: Path | None) -> Path | None:
@@ -98,8 +134,8 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         sample = shard.sample(sid)
         ids = torch.from_numpy(sample["input_ids"].astype(np.int64))[None]
         with counter:
-            out = model(input_ids=ids, output_hidden_states=True)
-        states = torch.stack([h[0].float() for h in out.hidden_states])       # [L+1, T, H]
+            out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True)
+        states = torch.stack([h[0].float().cpu() for h in out.hidden_states])  # [L+1, T, H]
         stored = sample["hidden"].float()                                      # [T, n_taps, H]
         for k, tap in enumerate(taps):
             err = (states - stored[:, k][None]).abs().amax(dim=(1, 2))         # per hidden_states index
@@ -113,7 +149,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
             abs_err = float((stored[:, k] - ref).abs().max())
             worst["max_abs"] = max(worst["max_abs"], abs_err)
             worst["max_rel"] = max(worst["max_rel"], abs_err / max(float(ref.abs().max()), 1e-6))
-        logits = out.logits[0].float()
+        logits = out.logits[0].float().cpu()
         argmax_same += int((logits.argmax(-1).numpy() == sample["target_argmax"]).sum())
         k_top = sample["target_topk_ids"].shape[1]
         topk_same += int((torch.topk(logits, k_top).indices.numpy() == sample["target_topk_ids"]).all(axis=1).sum())
@@ -140,11 +176,110 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         "best_hidden_state_index": {str(t): {str(j): c for j, c in b.items()} for t, b in best_index.items()},
         "best_position_shift": {str(d): c for d, c in best_shift.items()},
         **worst, "argmax_agreement": argmax_same / max(positions, 1), "topk_agreement": topk_same / max(positions, 1),
-        "kernel_path_now": now, "kernel_path_recorded": recorded, "samples": len(picks)})
+        "kernel_path_now": now, "kernel_path_recorded": recorded, "samples": len(picks),
+        "picked": [f"{name} row {row}" for name, row in picks]})
 
 
-def check_loss_masks(reader: CacheReader, picks, tokenizer) -> Check:
-    """Re-derive each picked sample from the dataset the manifest names and its chat template."""
+def shard_tokens(shard, names=("input_ids", "loss_mask")):
+    """Per sample of a shard: (row, sample id, {name: array}), read in windows of whole samples."""
+    for lo, hi in sample_windows(shard.offsets):
+        a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
+        arrays = {name: shard.read_range(name, a, b) for name in names}
+        for row in range(lo, hi):
+            s, e = int(shard.offsets[row]) - a, int(shard.offsets[row + 1]) - a
+            yield row, int(shard.sample_ids[row]), {name: arr[s:e] for name, arr in arrays.items()}
+
+
+@torch.no_grad()
+def tail_errors(model, lm_head, deepest_tap: int, samples: list[dict], logits_chunk: int = 2048) -> list[dict]:
+    """Per sample, how far the stored predictions are from the tail recompute: the largest
+    shortfall of the stored argmax's logit below the best logit, of |stored top-k logit -
+    recomputed|, of |stored logsumexp - recomputed|, with the position of each."""
+    lasts = tail_forward(model, deepest_tap, [s["tap"] for s in samples])
+    out = []
+    for sample, last in zip(samples, lasts):
+        worst = {"argmax": (0.0, -1), "topk": (0.0, -1), "logsumexp": (0.0, -1)}
+        for a in range(0, len(last), logits_chunk):
+            logits = lm_head(last[a:a + logits_chunk]).float().cpu()
+            b = a + len(logits)
+            argmax = torch.from_numpy(sample["target_argmax"][a:b].astype(np.int64))
+            top_ids = torch.from_numpy(sample["target_topk_ids"][a:b].astype(np.int64))
+            errors = {
+                "argmax": logits.max(-1).values - logits.gather(1, argmax[:, None])[:, 0],
+                "topk": (logits.gather(1, top_ids) - torch.from_numpy(sample["target_topk_logits"][a:b])).abs().amax(-1),
+                "logsumexp": (torch.logsumexp(logits, -1) - torch.from_numpy(sample["target_logsumexp"][a:b])).abs(),
+            }
+            for key, err in errors.items():
+                at = int(err.argmax())
+                if float(err[at]) > worst[key][0]:
+                    worst[key] = (float(err[at]), a + at)
+        out.append(worst)
+    return out
+
+
+def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed: int, compute_dtype: str = "float32",
+               batch_tokens: int = 8192) -> Check:
+    """Every sample (or the --tail-rate fraction): the stored deepest tap, run through the layers
+    after it, the final norm and the lm_head, must reproduce the stored argmax, top-k logits and
+    logsumexp within the storage tolerance (DESIGN 10)."""
+    cap = reader.manifest["config"]["capture"]
+    deepest, num_layers = max(cap["target_layer_ids"]), cap["num_hidden_layers"]
+    k = cap["target_layer_ids"].index(deepest)
+    # Computing in bf16 (on a GPU) adds its own rounding: a wider band, not yet measured on a GPU.
+    tol = {key: value * (4 if compute_dtype == "bfloat16" else 1) for key, value in TAIL_TOLERANCE[reader.hidden_format].items()}
+    rng = random.Random(seed)
+    offending, checked, tokens, worst = SampleList(), 0, 0, {"argmax": 0.0, "topk": 0.0, "logsumexp": 0.0}
+    start = time.perf_counter()
+    counter = KernelCallCounter(model)
+
+    def run(batch):
+        nonlocal checked, tokens
+        with counter:
+            errors = tail_errors(model, model.lm_head, deepest, batch)
+        for sample, err in zip(batch, errors):
+            checked += 1
+            tokens += len(sample["tap"])
+            for key, (value, pos) in err.items():
+                worst[key] = max(worst[key], value)
+            bad = [f"{key} off by {value:.3g} at position {pos}" for key, (value, pos) in err.items() if value > tol[key]]
+            if bad:
+                offending.add(sample["shard"], sample["sample_id"], "; ".join(bad))
+
+    for name, shard in sound_shards(reader, shards):
+        batch, size = [], 0
+        for row in range(shard.num_samples):
+            if rate < 1.0 and rng.random() >= rate:
+                continue
+            sid = int(shard.sample_ids[row])
+            try:
+                sample = {key: shard.read(key, sid) for key in ("target_argmax", "target_topk_ids", "target_topk_logits",
+                                                                "target_logsumexp")}
+                sample.update(tap=shard.hidden(sid)[:, k].float(), shard=name, sample_id=sid)
+            except PipelineError:
+                continue  # reported by the checksum check
+            if batch and (len(batch) + 1) * max(size, len(sample["tap"])) > batch_tokens:
+                run(batch)
+                batch, size = [], 0
+            batch.append(sample)
+            size = max(size, len(sample["tap"]))
+        if batch:
+            run(batch)
+    seconds = time.perf_counter() - start
+    layers_run = num_layers - 1 - deepest
+    summary = (f"{checked} samples, {tokens} tokens: layers {deepest + 1}..{num_layers - 1} + norm + lm_head from the "
+               f"stored tap {deepest} ({layers_run} of {num_layers} layers) reproduce the stored predictions"
+               if not offending else f"{checked} samples: {offending.describe()}")
+    summary += (f"; worst argmax shortfall {worst['argmax']:.3g}, top-k logit {worst['topk']:.3g}, logsumexp "
+                f"{worst['logsumexp']:.3g} (tolerance {tol['argmax']}/{tol['topk']}/{tol['logsumexp']}); {seconds:.1f} s")
+    return Check("tail_recompute", not offending, summary, {
+        "samples": checked, "tokens": tokens, "rate": rate, "seconds": seconds, "worst": worst, "tolerance": tol,
+        "layers_run": layers_run, "num_hidden_layers": num_layers, "layer_fraction": layers_run / num_layers,
+        "kernel_path_now": kernel_record(model, counter.counts)["path"], **offending.evidence()})
+
+
+def check_loss_masks(reader: CacheReader, shards: list[str], tokenizer) -> Check:
+    """Re-derive every sample of the shards from the dataset the manifest names, with its chat
+    template, mode and reasoning policy: the same rule extract applied (DESIGN 3.5, 10)."""
     sources = reader.manifest.get("sources", {}).get("data", [])
     files = reader.manifest["config"]["data"]["files"]
     paths = [Path(p) for p in sources]
@@ -153,72 +288,92 @@ def check_loss_masks(reader: CacheReader, picks, tokenizer) -> Check:
     if [sha256_file(p) for p in paths] != [f["sha256"] for f in files]:
         return Check("loss_mask", False, "the dataset files differ from the ones the cache was made with (sha256)")
     tok_cfg = reader.manifest["config"]["tokenizer"]
-    cap = reader.manifest["config"]["capture"]
-    wanted = {}
-    for name, row in picks:
-        shard = reader.shard(name)
-        wanted[int(shard.sample_ids[row])] = shard
-    rows = {r.sample_id: r for r in iter_rows(paths, on_error="skip", wanted=set(wanted)) if not isinstance(r, PipelineError)}
-    # The same rule extract applied, in the mode and with the reasoning policy the manifest records.
+    max_length = reader.manifest["config"]["capture"]["max_length"]
     masker = ConversationMasker(tokenizer, tok_cfg["end_of_turn"], tok_cfg["chat_template_kwargs"],
                                 tok_cfg.get("reasoning", "error"))
-    mismatched, spans = [], {}
-    for sid, shard in sorted(wanted.items()):
-        row = rows.get(sid)
-        if row is None:
-            mismatched.append(f"sample {sid}: row not readable in the dataset")
-            continue
-        if row.messages is not None:
-            try:
-                t = masker(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
-            except PipelineError as e:
-                mismatched.append(f"sample {sid}: cannot be re-derived ({e})")
-                continue
-            ids, mask = t.input_ids, t.loss_mask
-        else:
-            ids, mask = row.input_ids, row.loss_mask
-        ids, mask = ids[:cap["max_length"]], mask[:cap["max_length"]]
-        stored_ids, stored_mask = shard.read("input_ids", sid).tolist(), shard.read("loss_mask", sid).tolist()
-        supervised = [i for i, m in enumerate(stored_mask) if m]
-        spans[str(sid)] = {"first": supervised[0] if supervised else None, "last": supervised[-1] if supervised else None}
-        if stored_ids != ids:
-            mismatched.append(f"sample {sid} ({row.where}): input_ids differ from re-tokenization")
-        elif stored_mask != mask:
-            first = next(i for i, (a, b) in enumerate(zip(stored_mask, mask)) if a != b)
-            mismatched.append(f"sample {sid} ({row.where}): loss_mask differs first at position {first}")
+    index, _ = index_rows(paths, on_error="skip")
+    mismatched, checked = SampleList(), 0
+    for name, shard in sound_shards(reader, shards):
+        rows = {r.sample_id: r for r in iter_rows(paths, on_error="skip", wanted=set(shard.sample_ids.tolist()), index=index)
+                if not isinstance(r, PipelineError)}
+        try:
+            for _, sid, stored in shard_tokens(shard):
+                checked += 1
+                row = rows.get(sid)
+                if row is None:
+                    mismatched.add(name, sid, "row not readable in the dataset")
+                    continue
+                if row.messages is not None:
+                    try:
+                        t = masker(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
+                    except PipelineError as e:
+                        mismatched.add(name, sid, f"cannot be re-derived ({e})")
+                        continue
+                    ids, mask = t.input_ids[:max_length], t.loss_mask[:max_length]
+                else:
+                    ids, mask = row.input_ids[:max_length], row.loss_mask[:max_length]
+                if stored["input_ids"].tolist() != ids:
+                    mismatched.add(name, sid, f"{row.where}: input_ids differ from re-tokenization")
+                elif (stored_mask := stored["loss_mask"].tolist()) != mask:
+                    at = next(i for i, (x, y) in enumerate(zip(stored_mask, mask)) if x != y)
+                    mismatched.add(name, sid, f"{row.where}: loss_mask differs first at position {at}")
+        except PipelineError:
+            continue  # an undecodable chunk: reported by the checksum check
     return Check("loss_mask", not mismatched,
-                 f"{len(wanted)} samples re-derived from the chat template" + (f": {len(mismatched)} differ" if mismatched else ": identical"),
-                 {"mismatched": mismatched[:50], "supervised_span_per_sample": spans})
+                 f"{checked} samples re-derived from the chat template"
+                 + (f": {mismatched.describe()} differ" if mismatched else ": identical"),
+                 {"samples": checked, **mismatched.evidence()})
 
 
-def check_mask_boundaries(reader: CacheReader, picks, tokenizer) -> Check:
-    """The stored masks obey the rule (no dataset needed, only the tokenizer's chat tokens)."""
-    from pipeline.data.loss_mask import mask_violations
-
+def check_mask_boundaries(reader: CacheReader, shards: list[str], tokenizer) -> Check:
+    """Every stored mask obeys the rule (no dataset needed, only the tokenizer's chat tokens)."""
     vocab = tokenizer.get_vocab()
     if "<|im_start|>" not in vocab:
         return Check("mask_boundaries", True, "skipped: the tokenizer has no <|im_start|> turn marker", skipped=True)
     end = reader.manifest["config"]["tokenizer"]["end_of_turn"]
-    kinds: dict[str, list[str]] = {}
-    for name, row in picks:
-        shard = reader.shard(name)
-        sid = int(shard.sample_ids[row])
-        found = mask_violations(shard.read("input_ids", sid).tolist(), shard.read("loss_mask", sid).tolist(),
-                                turn_start=vocab["<|im_start|>"], end_of_turn=vocab[end], decode=tokenizer.decode)
-        for kind, pos in found.items():
-            kinds.setdefault(kind, []).append(f"sample {sid} position {pos}")
-    summary = (f"{len(picks)} samples: headers, system/user turns unsupervised; {end} supervised" if not kinds else
-               "; ".join(f"{kind} ({len(where)} samples, e.g. {where[0]})" for kind, where in kinds.items()))
-    return Check("mask_boundaries", not kinds, summary, {"violations": {k: v[:10] for k, v in kinds.items()}})
+    newline = newline_tokens(tokenizer, reader.manifest["config"]["capture"]["vocab_size"])
+    kinds: dict[str, SampleList] = {}
+    checked = 0
+    for name, shard in sound_shards(reader, shards):
+        try:
+            for _, sid, stored in shard_tokens(shard):
+                checked += 1
+                found = mask_violations(stored["input_ids"], stored["loss_mask"], turn_start=vocab["<|im_start|>"],
+                                        end_of_turn=vocab[end], newline=newline, decode=tokenizer.decode)
+                for kind, pos in found.items():
+                    kinds.setdefault(kind, SampleList()).add(name, sid, f"position {pos}")
+        except PipelineError:
+            continue  # reported by the checksum check
+    summary = (f"{checked} samples: headers, system/user/tool turns unsupervised; {end} supervised" if not kinds else
+               f"{checked} samples: " + "; ".join(f"{kind} ({found.describe()})" for kind, found in kinds.items()))
+    return Check("mask_boundaries", not kinds, summary,
+                 {"samples": checked, "violations": {k: v.evidence() for k, v in kinds.items()}})
+
+
+def compute_placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Where the model-based checks run: a GPU in bfloat16 when one is present, else CPU float32."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise PipelineError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise PipelineError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PipelineError("--device cuda: no CUDA device is available here")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    chosen = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return chosen, getattr(torch, dtype if dtype != "auto" else ("bfloat16" if use_cuda else "float32"))
 
 
 def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
-               sample_rate: float = 1.0, seed: int = 0, num_mask_samples: int = 32, progress: bool = False) -> dict:
+               tail_rate: float = 1.0, sample_rate: float = 1.0, seed: int = 0, device: str = "auto",
+               dtype: str = "auto", progress: bool = False) -> dict:
     start = time.perf_counter()
     if not 0.0 < sample_rate <= 1.0:
         raise PipelineError(f"--sample-rate must be in (0, 1], got {sample_rate}")
+    if not 0.0 <= tail_rate <= 1.0:
+        raise PipelineError(f"--tail-rate must be in [0, 1], got {tail_rate}")
     if recompute < 0:
         raise PipelineError(f"--recompute must be >= 0, got {recompute}")
+    placement = compute_placement(device, dtype)
     try:
         reader = open_cache(cache_dir)
     except PipelineError as e:
@@ -228,6 +383,7 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
     selected = select_shards(reader, shards)
     checks = [Check("manifest", True, f"schema {reader.manifest['schema_version']}, {len(reader.shards)} committed shards, "
                                       f"{len(selected)} selected")]
+    checks.append(check_completeness(reader, shards))
     checks.append(check_structure(reader, selected))
     checks.append(check_digests(reader, selected, sample_rate >= 1.0))
     with ProgressBar("verify chunks", "shards", total=len(selected), enabled=progress) as bar:
@@ -240,22 +396,28 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
     # Content checks read samples; a shard whose declared shapes disagree with the manifest is
     # reported by the structure check above and not read further.
     present = [name for name, _ in sound_shards(reader, selected)]
+    compute = None
     if target_dir is not None and present:
         tokenizer = load_tokenizer(target_dir)
-        model = load_model(target_dir) if recompute else None
         checks.append(check_target_identity(reader, target_dir, tokenizer))
-        mask_picks = pick_samples(reader, present, max(num_mask_samples, recompute), seed)
-        checks.append(check_mask_boundaries(reader, mask_picks, tokenizer))
-        checks.append(check_loss_masks(reader, mask_picks, tokenizer))
-        if recompute:
-            tol = 0.02 if reader.hidden_format == "bf16" else 0.1
-            checks.append(check_recompute(reader, pick_samples(reader, present, recompute, seed + 1), model, tol))
+        checks.append(check_mask_boundaries(reader, present, tokenizer))
+        checks.append(check_loss_masks(reader, present, tokenizer))
+        if tail_rate > 0 or recompute:
+            model = load_model(target_dir, dtype=placement[1]).to(placement[0])
+            compute = {"device": str(placement[0]), "dtype": str(placement[1]).removeprefix("torch.")}
+            if tail_rate > 0:
+                checks.append(check_tail(reader, present, model, tail_rate, seed, compute["dtype"]))
+            if recompute:
+                tol = 0.02 if reader.hidden_format == "bf16" else 0.1
+                if compute["dtype"] == "bfloat16":
+                    tol *= 4  # the recompute itself rounds to bf16 (not yet measured on a GPU)
+                checks.append(check_recompute(reader, stratified_picks(reader, present, recompute, seed + 1), model, tol))
     else:
         checks.append(Check("loss_mask", True, "skipped: no target to take the tokenizer and chat template from", skipped=True))
     seconds = time.perf_counter() - start
     tokens = sum(reader.manifest["shards"][s]["tokens"] for s in selected)
     return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
-            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "compute": compute,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

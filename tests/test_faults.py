@@ -77,7 +77,7 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
         assert not done["partial"] and not done["unlisted_dirs"] and not done["manifest_temps"], t
         cache = tmp_path / os.path.basename(t["cache"])
         assert_same_content(cache, reference)
-        assert run_verify(cache)["passed"], t
+        assert run_verify(cache, tail_rate=0)["passed"], t  # content is already compared exactly above
     # The phases left what they should: a kill between rename and listing leaves an unlisted shard
     # directory that the resume replaces; one inside a manifest update leaves the old manifest.
     assert any(t["after_kill"]["unlisted_dirs"] for t in aimed if t["failpoint"].startswith("writer.renamed"))

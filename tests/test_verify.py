@@ -10,6 +10,7 @@ import zarr
 from extract_helpers import cli, write_rows
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
+from stages.verify import run_verify
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,16 @@ def test_good_cache_passes_everything(good):
     rates = next(c for c in report["checks"] if c["check"] == "label_alignment")["evidence"]["rates_by_shift"]
     assert rates["0"] > 0.98 and rates["-1"] < 0.5 and rates["1"] < 0.5
     recompute = next(c for c in report["checks"] if c["check"] == "recompute")["evidence"]
-    assert recompute["best_hidden_state_index"] == {"1": {"2": 3}, "3": {"4": 3}, "5": {"6": 3}}
+    # --recompute 3 over 3 shards: one sample of every shard plus the longest, so 4.
+    assert recompute["best_hidden_state_index"] == {"1": {"2": 4}, "3": {"4": 4}, "5": {"6": 4}}
+    assert {p.split()[0] for p in recompute["picked"]} == {"shard-00000", "shard-00001", "shard-00002"}
+    from pipeline.cache.reader import CacheReader
+    reader = CacheReader(good)
+    lengths = {(name, row): int(n) for name in reader.shards for row, n in enumerate(np.diff(reader.shard(name).offsets))}
+    name, row = max(lengths, key=lengths.get)
+    assert f"{name} row {row}" in recompute["picked"], "the longest sample is always recomputed"
+    tail = next(c for c in report["checks"] if c["check"] == "tail_recompute")["evidence"]
+    assert tail["samples"] == 24 and tail["layers_run"] == 2 and tail["num_hidden_layers"] == 8
 
 
 IM_START, IM_END = 497, 498  # the shipped tokenizer's ids; test_fault_ids checks them
@@ -179,8 +189,9 @@ def test_planted_fault_is_named(good, context, tmp_path, fault, plant, args, che
     cache = tmp_path / "cache"
     shutil.copytree(good, cache)
     plant(cache, context)
-    result, report = verify(cache, *args)
-    assert result.returncode == 1, f"{fault}: verify passed"
+    # In-process (the CLI's report is the same dict; test_good_cache_passes_everything runs the CLI).
+    report = run_verify(cache, recompute=int(args[1]) if args else 0)
+    assert not report["passed"], f"{fault}: verify passed"
     found = next(c for c in report["checks"] if c["check"] == check)
     text = found["summary"] + " " + json.dumps(found["evidence"])
     assert found["status"] == "fail" and message in text, f"{fault}: {found}"
@@ -201,7 +212,7 @@ def test_mask_off_by_one_is_caught_by_rederivation(copy):
     result, report = verify(cache)
     assert result.returncode == 1
     check = next(c for c in report["checks"] if c["check"] == "loss_mask")
-    assert check["status"] == "fail" and "loss_mask differs first at position" in check["evidence"]["mismatched"][0]
+    assert check["status"] == "fail" and "loss_mask differs first at position" in check["evidence"]["first_offending"][0]
 
 
 def test_unknown_schema_version(copy):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.cache.files import FileLock, write_json_atomic
-from pipeline.cache.schema import FORMAT_NAME, MANIFEST, MANIFEST_LOCK, MAX_SHARDS, SCHEMA_VERSION, shard_index
+from pipeline.cache.schema import FORMAT_NAME, MANIFEST, MANIFEST_LOCK, MAX_SHARDS, SCHEMA_VERSION, shard_index, shard_name
 from pipeline.errors import PipelineError
 
 
@@ -91,3 +91,24 @@ def shard_identity(identity: dict) -> dict:
             "chat_template_sha256": identity["tokenizer"]["chat_template_sha256"],
             "target_layer_ids": cap["target_layer_ids"], "hidden_size": cap["hidden_size"],
             "vocab_size": cap["vocab_size"], "top_k": cap["top_k"], "hidden_format": cap["hidden_format"]}
+
+
+def missing_shards(manifest: dict, wanted: list[int] | None = None) -> dict:
+    """Completeness (DESIGN 5): which of the cache's `num_shards` (or of `wanted`) are not committed,
+    and how many dataset rows they hold by the shard plan."""
+    from pipeline.data.shard_plan import shard_rows
+
+    num_shards = manifest["config"]["num_shards"]
+    num_rows = manifest.get("plan", {}).get("num_rows") or manifest["config"]["data"]["num_rows"]
+    indices = range(num_shards) if wanted is None else wanted
+    missing = [i for i in indices if shard_name(i) not in manifest["shards"]]
+    return {"num_shards": num_shards, "checked": len(indices), "missing": [shard_name(i) for i in missing],
+            "missing_rows": sum(len(shard_rows(i, num_rows, num_shards)) for i in missing),
+            "num_rows": num_rows}
+
+
+def describe_missing(found: dict) -> str:
+    names = found["missing"]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{len(names)} of {found['checked']} shards not committed ({shown}): "
+            f"{found['missing_rows']} of {found['num_rows']} dataset rows are not in the cache")

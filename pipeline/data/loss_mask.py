@@ -220,43 +220,54 @@ def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: str, *, 
     return ConversationMasker(tokenizer, end_of_turn, template_kwargs, reasoning)(messages, tools=tools)
 
 
-def mask_violations(input_ids: list[int], loss_mask: list[int], *, turn_start: int, end_of_turn: int, decode) -> dict[str, int]:
-    """Where a stored mask breaks the rule, for Qwen-style chat tokens (<|im_start|>role\\n ...
+def newline_tokens(tokenizer, vocab_size: int) -> np.ndarray:
+    """[vocab] bool: which token ids decode to text containing a newline (one decode per id, once)."""
+    size = max(vocab_size, len(tokenizer))
+    return np.array(["\n" in piece for piece in tokenizer.batch_decode([[i] for i in range(size)])], dtype=bool)
+
+
+def mask_violations(input_ids, loss_mask, *, turn_start: int, end_of_turn: int, newline: np.ndarray, decode) -> dict[str, int]:
+    """Where a stored mask breaks the rule, for Qwen-style chat tokens (<|im_start|>role\n ...
     <|im_end|>). Returns {violation: first position}; empty when the mask obeys DESIGN 3.5:
     headers and non-assistant turns unsupervised, each supervised assistant turn closed by a
-    supervised end-of-turn, nothing supervised outside a turn."""
+    supervised end-of-turn, nothing supervised outside a turn. `newline[id]`: the token holds a
+    newline (see newline_tokens). Work is per turn, not per token."""
+    ids, mask = np.asarray(input_ids), np.asarray(loss_mask).astype(bool)
+    n = len(ids)
     found: dict[str, int] = {}
+    starts = np.flatnonzero(ids == turn_start)
+    closers = np.flatnonzero((ids == end_of_turn) | (ids == turn_start))
+    newlines = np.flatnonzero(newline[ids])
+    covered = np.zeros(n, dtype=bool)
 
     def note(kind: str, pos: int) -> None:
-        found.setdefault(kind, pos)
+        found[kind] = min(found.get(kind, pos), pos)
 
-    n, i = len(input_ids), 0
-    while i < n:
-        if input_ids[i] != turn_start:
-            if loss_mask[i]:
-                note("supervised token outside any turn", i)
-            i += 1
-            continue
-        header_end = i + 1
-        while header_end < n and "\n" not in decode([input_ids[header_end]]):
-            header_end += 1
-        role = decode(input_ids[i + 1:header_end]).strip()
-        end = header_end + 1
-        while end < n and input_ids[end] != end_of_turn and input_ids[end] != turn_start:
-            end += 1
+    def first(a: int, b: int) -> int | None:
+        hit = np.flatnonzero(mask[a:b])
+        return a + int(hit[0]) if len(hit) else None
+
+    for i in starts:
+        k = np.searchsorted(newlines, i + 1)
+        header_end = int(newlines[k]) if k < len(newlines) else n
+        role = decode(ids[i + 1:header_end].tolist()).strip()
+        k = np.searchsorted(closers, header_end + 1)
+        end = int(closers[k]) if k < len(closers) else n
+        closed = end < n and ids[end] == end_of_turn
+        covered[i:end + closed] = True
         # The header's last token may carry generated text after its newline (a merged "\n\n"):
         # then it straddles the boundary and follows the straddling rule, not the header's.
         last = header_end
         if header_end < n:
-            piece = decode([input_ids[header_end]])
+            piece = decode([int(ids[header_end])])
             last -= bool(piece[piece.index("\n") + 1:]) if "\n" in piece else 0
-        if any(loss_mask[i:last + 1]):
-            note(f"{role} header supervised", i + next(k for k, m in enumerate(loss_mask[i:last + 1]) if m))
-        content = loss_mask[header_end + 1:end + 1]
-        if role != "assistant" and any(content):
-            note(f"{role} turn supervised", header_end + 1 + content.index(1))
-        if role == "assistant" and any(loss_mask[header_end + 1:end]) and end < n and input_ids[end] == end_of_turn \
-                and not loss_mask[end]:
+        if (pos := first(i, last + 1)) is not None:
+            note(f"{role} header supervised", pos)
+        if role != "assistant" and (pos := first(header_end + 1, end + 1)) is not None:
+            note(f"{role} turn supervised", pos)
+        if role == "assistant" and closed and not mask[end] and first(header_end + 1, end) is not None:
             note("end-of-turn token not supervised", end)
-        i = end + 1 if end < n and input_ids[end] == end_of_turn else end
+    outside = np.flatnonzero(mask & ~covered)
+    if len(outside):
+        note("supervised token outside any turn", int(outside[0]))
     return found

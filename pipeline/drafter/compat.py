@@ -53,6 +53,13 @@ def check_compatible(manifest: dict, *, facts: TargetFacts, tokenizer_sha256: st
     if problems:
         raise PipelineError("the cache does not fit this drafter: " + "; ".join(problems))
     groups = kernel_paths(manifest)
+    unknown = [name for name, record in manifest["shards"].items() if (record.get("kernels") or {}).get("path") == "unknown"]
+    if unknown:
+        if not allow_mixed_provenance:
+            raise PipelineError(f"kernel provenance unknown for {len(unknown)} shards (e.g. {unknown[0]}): the "
+                                "linear-attention implementation could not be identified at extraction. Re-extract with "
+                                "a transformers version this tool reads, or pass --allow-mixed-provenance to train anyway")
+        warn(f"training on shards of unknown kernel provenance (--allow-mixed-provenance): {len(unknown)} shards")
     if len(groups) > 1:
         detail = "; ".join(f"{k}: {len(v)} shards (e.g. {v[0]})" for k, v in groups.items())
         if not allow_mixed_provenance:
