@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.cache.encoding import decode_bf16, decode_fp8
+
 from pipeline.cache.checks import (
     Check,
     SampleList,
@@ -26,6 +28,7 @@ from pipeline.cache.checks import (
     check_provenance,
     check_structure,
     open_cache,
+    WINDOW_TOKENS,
     sample_windows,
     sound_shards,
 )
@@ -180,11 +183,17 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         "picked": [f"{name} row {row}" for name, row in picks]})
 
 
-def shard_tokens(shard, names=("input_ids", "loss_mask")):
-    """Per sample of a shard: (row, sample id, {name: array}), read in windows of whole samples."""
-    for lo, hi in sample_windows(shard.offsets):
+def shard_tokens(shard, names=("input_ids", "loss_mask"), *, tap: int | None = None, max_tokens: int | None = None):
+    """Per sample of a shard: (row, sample id, {name: array}), read in windows of whole samples
+    (a handful of reads per window, not per sample). With `tap`, also "tap": that tap's hidden
+    states decoded to float32 (the other taps are not decoded)."""
+    for lo, hi in sample_windows(shard.offsets, max_tokens or WINDOW_TOKENS):
         a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
         arrays = {name: shard.read_range(name, a, b) for name in names}
+        if tap is not None:
+            bits = shard.read_range("hidden", a, b)[:, tap]
+            arrays["tap"] = (decode_bf16(bits).float() if shard.hidden_format == "bf16"
+                             else decode_fp8(bits, shard.read_range("hidden_scale", a, b)[:, tap]))
         for row in range(lo, hi):
             s, e = int(shard.offsets[row]) - a, int(shard.offsets[row + 1]) - a
             yield row, int(shard.sample_ids[row]), {name: arr[s:e] for name, arr in arrays.items()}
@@ -210,6 +219,7 @@ def tail_errors(model, lm_head, deepest_tap: int, samples: list[dict], logits_ch
                 "logsumexp": (torch.logsumexp(logits, -1) - torch.from_numpy(sample["target_logsumexp"][a:b])).abs(),
             }
             for key, err in errors.items():
+                err = torch.nan_to_num(err, nan=float("inf"))  # a NaN prediction is as wrong as can be
                 at = int(err.argmax())
                 if float(err[at]) > worst[key][0]:
                     worst[key] = (float(err[at]), a + at)
@@ -245,23 +255,23 @@ def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed:
             if bad:
                 offending.add(sample["shard"], sample["sample_id"], "; ".join(bad))
 
+    # Windows hold at most ~256 MB of raw taps (about 5,000 tokens at Qwen3.6-27B's width).
+    window = max(1, (256 << 20) // (len(cap["target_layer_ids"]) * cap["hidden_size"] * 2))
+    names = ("target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp")
     for name, shard in sound_shards(reader, shards):
         batch, size = [], 0
-        for row in range(shard.num_samples):
-            if rate < 1.0 and rng.random() >= rate:
-                continue
-            sid = int(shard.sample_ids[row])
-            try:
-                sample = {key: shard.read(key, sid) for key in ("target_argmax", "target_topk_ids", "target_topk_logits",
-                                                                "target_logsumexp")}
-                sample.update(tap=shard.hidden(sid)[:, k].float(), shard=name, sample_id=sid)
-            except PipelineError:
-                continue  # reported by the checksum check
-            if batch and (len(batch) + 1) * max(size, len(sample["tap"])) > batch_tokens:
-                run(batch)
-                batch, size = [], 0
-            batch.append(sample)
-            size = max(size, len(sample["tap"]))
+        try:
+            for _, sid, sample in shard_tokens(shard, names, tap=k, max_tokens=window):
+                if rate < 1.0 and rng.random() >= rate:
+                    continue
+                sample.update(shard=name, sample_id=sid)
+                if batch and (len(batch) + 1) * max(size, len(sample["tap"])) > batch_tokens:
+                    run(batch)
+                    batch, size = [], 0
+                batch.append(sample)
+                size = max(size, len(sample["tap"]))
+        except PipelineError:
+            pass  # an undecodable chunk: reported by the checksum check; what was read is still checked
         if batch:
             run(batch)
     seconds = time.perf_counter() - start
