@@ -186,6 +186,7 @@ def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenize
         source = item.generated_by or cfg.generated_by or "unknown"
         counts["generated_by"][source] = counts["generated_by"].get(source, 0) + 1
         samples.append((item.sample_id, ids, mask))
+    counts["reasoning_share"] = counts["reasoning_tokens"] / counts["supervised_tokens"] if counts["supervised_tokens"] else None
     return samples, counts
 
 

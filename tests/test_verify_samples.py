@@ -97,6 +97,8 @@ FAULTS = [
     ("a user turn supervised", "loss_mask", user_supervised, ["mask_boundaries", "loss_mask"]),
     ("end-of-turn unsupervised", "loss_mask", end_unsupervised, ["mask_boundaries", "loss_mask"]),
     ("NaN in one tap", "hidden", nan_in_one_tap, ["finite"]),
+    # Not the deepest tap, so the tail recompute cannot see it: the model-free tap signature does.
+    ("two shallower taps swapped", "hidden", lambda h, i: h[:, [1, 0, 2]].copy(), ["tap_signature"]),
 ]
 
 
@@ -129,6 +131,7 @@ def test_the_good_cache_passes_every_sample(caches):
     checks = {c["check"]: c for c in report["checks"]}
     for name in ("mask_boundaries", "loss_mask", "tail_recompute"):
         assert checks[name]["evidence"]["samples"] == 32, (name, checks[name]["summary"])
+    assert checks["tap_signature"]["status"] == "pass" and "32 samples" in checks["tap_signature"]["summary"]
     assert checks["label_alignment"]["evidence"]["samples"] == 32
     assert report["compute"] == {"device": "cpu", "dtype": "float32"}
 
