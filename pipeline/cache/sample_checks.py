@@ -1,0 +1,107 @@
+"""Per-sample checks of the loss masks (DESIGN 3.5, 10), over every sample of the given shards.
+
+`check_mask_boundaries` needs only the tokenizer's chat tokens: headers and non-assistant turns
+unsupervised, each supervised assistant turn closed by a supervised end-of-turn. `check_loss_masks`
+re-derives every sample from the dataset the manifest names with the same rule extract applied.
+Samples are read in windows of whole samples (a handful of reads per window).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.cache.checks import WINDOW_TOKENS, Check, SampleList, sample_windows, sound_shards
+from pipeline.cache.encoding import decode_bf16, decode_fp8
+from pipeline.cache.reader import CacheReader
+from pipeline.data.conversations import index_rows, iter_rows
+from pipeline.data.loss_mask import ConversationMasker, mask_violations, newline_tokens
+from pipeline.errors import PipelineError
+from pipeline.provenance import sha256_file
+
+def shard_tokens(shard, names=("input_ids", "loss_mask"), *, tap: int | None = None, max_tokens: int | None = None):
+    """Per sample of a shard: (row, sample id, {name: array}), read in windows of whole samples
+    (a handful of reads per window, not per sample). With `tap`, also "tap": that tap's hidden
+    states decoded to float32 (the other taps are not decoded)."""
+    for lo, hi in sample_windows(shard.offsets, max_tokens or WINDOW_TOKENS):
+        a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
+        arrays = {name: shard.read_range(name, a, b) for name in names}
+        if tap is not None:
+            bits = shard.read_range("hidden", a, b)[:, tap]
+            arrays["tap"] = (decode_bf16(bits).float() if shard.hidden_format == "bf16"
+                             else decode_fp8(bits, shard.read_range("hidden_scale", a, b)[:, tap]))
+        for row in range(lo, hi):
+            s, e = int(shard.offsets[row]) - a, int(shard.offsets[row + 1]) - a
+            yield row, int(shard.sample_ids[row]), {name: arr[s:e] for name, arr in arrays.items()}
+
+
+def check_loss_masks(reader: CacheReader, shards: list[str], tokenizer) -> Check:
+    """Re-derive every sample of the shards from the dataset the manifest names, with its chat
+    template, mode and reasoning policy: the same rule extract applied (DESIGN 3.5, 10)."""
+    sources = reader.manifest.get("sources", {}).get("data", [])
+    files = reader.manifest["config"]["data"]["files"]
+    paths = [Path(p) for p in sources]
+    if not paths or not all(p.is_file() for p in paths):
+        return Check("loss_mask", True, "skipped: the dataset the manifest names is not readable here", skipped=True)
+    if [sha256_file(p) for p in paths] != [f["sha256"] for f in files]:
+        return Check("loss_mask", False, "the dataset files differ from the ones the cache was made with (sha256)")
+    tok_cfg = reader.manifest["config"]["tokenizer"]
+    max_length = reader.manifest["config"]["capture"]["max_length"]
+    masker = ConversationMasker(tokenizer, tok_cfg["end_of_turn"], tok_cfg["chat_template_kwargs"],
+                                tok_cfg.get("reasoning", "error"))
+    index, _ = index_rows(paths, on_error="skip")
+    mismatched, checked = SampleList(), 0
+    for name, shard in sound_shards(reader, shards):
+        rows = {r.sample_id: r for r in iter_rows(paths, on_error="skip", wanted=set(shard.sample_ids.tolist()), index=index)
+                if not isinstance(r, PipelineError)}
+        try:
+            for _, sid, stored in shard_tokens(shard):
+                checked += 1
+                row = rows.get(sid)
+                if row is None:
+                    mismatched.add(name, sid, "row not readable in the dataset")
+                    continue
+                if row.messages is not None:
+                    try:
+                        t = masker(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
+                    except PipelineError as e:
+                        mismatched.add(name, sid, f"cannot be re-derived ({e})")
+                        continue
+                    ids, mask = t.input_ids[:max_length], t.loss_mask[:max_length]
+                else:
+                    ids, mask = row.input_ids[:max_length], row.loss_mask[:max_length]
+                if stored["input_ids"].tolist() != ids:
+                    mismatched.add(name, sid, f"{row.where}: input_ids differ from re-tokenization")
+                elif (stored_mask := stored["loss_mask"].tolist()) != mask:
+                    at = next(i for i, (x, y) in enumerate(zip(stored_mask, mask)) if x != y)
+                    mismatched.add(name, sid, f"{row.where}: loss_mask differs first at position {at}")
+        except PipelineError:
+            continue  # an undecodable chunk: reported by the checksum check
+    return Check("loss_mask", not mismatched,
+                 f"{checked} samples re-derived from the chat template"
+                 + (f": {mismatched.describe()} differ" if mismatched else ": identical"),
+                 {"samples": checked, **mismatched.evidence()})
+
+
+def check_mask_boundaries(reader: CacheReader, shards: list[str], tokenizer) -> Check:
+    """Every stored mask obeys the rule (no dataset needed, only the tokenizer's chat tokens)."""
+    vocab = tokenizer.get_vocab()
+    if "<|im_start|>" not in vocab:
+        return Check("mask_boundaries", True, "skipped: the tokenizer has no <|im_start|> turn marker", skipped=True)
+    end = reader.manifest["config"]["tokenizer"]["end_of_turn"]
+    newline = newline_tokens(tokenizer, reader.manifest["config"]["capture"]["vocab_size"])
+    kinds: dict[str, SampleList] = {}
+    checked = 0
+    for name, shard in sound_shards(reader, shards):
+        try:
+            for _, sid, stored in shard_tokens(shard):
+                checked += 1
+                found = mask_violations(stored["input_ids"], stored["loss_mask"], turn_start=vocab["<|im_start|>"],
+                                        end_of_turn=vocab[end], newline=newline, decode=tokenizer.decode)
+                for kind, pos in found.items():
+                    kinds.setdefault(kind, SampleList()).add(name, sid, f"position {pos}")
+        except PipelineError:
+            continue  # reported by the checksum check
+    summary = (f"{checked} samples: headers, system/user/tool turns unsupervised; {end} supervised" if not kinds else
+               f"{checked} samples: " + "; ".join(f"{kind} ({found.describe()})" for kind, found in kinds.items()))
+    return Check("mask_boundaries", not kinds, summary,
+                 {"samples": checked, "violations": {k: v.evidence() for k, v in kinds.items()}})
