@@ -25,7 +25,7 @@ from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
 from pipeline.data.conversations import index_rows, iter_rows
-from pipeline.data.loss_mask import REASONING, TOOL_CALL, ConversationMasker, generation_prompt
+from pipeline.data.loss_mask import REASONING, TOOL_CALL, ConversationMasker, GenerationPrompt
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import Layout, init_layout
 from pipeline.errors import PipelineError
@@ -69,8 +69,7 @@ def default_layers(target: str, num_layers: int) -> list[int]:
 
 
 def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device, layout: Layout, num_kv_heads: int):
-    """(model, tokenizer, tensor-parallel plan description or None)."""
-    tokenizer = load_tokenizer(target_dir)
+    """(model, tensor-parallel plan description or None)."""
     kwargs, plan = {}, None
     if layout.tp > 1:
         from pipeline.tensor_parallel import tp_load_kwargs
@@ -78,16 +77,16 @@ def load_target_model(target_dir: Path, dtype: torch.dtype, device: torch.device
     model = load_model(target_dir, dtype=dtype, **kwargs)
     if layout.tp == 1:
         model = model.to(device)
-    return model, tokenizer, plan
+    return model, plan
 
 
-def scan_dataset(paths: list[Path], on_error: str, masker: ConversationMasker | None = None) -> dict:
+def scan_dataset(paths: list[Path], on_error: str, masker: ConversationMasker) -> dict:
     """One validating pass over the dataset: row count, malformed rows (fail fast before any GPU
     work and before the manifest is written: every conversation is rendered with the chat
     template, ~0.03-0.3 ms a row), where each row starts (so each shard reads only its rows) and
     file digests, so the shard plan and the manifest's data identity are known up front."""
     def check(row):
-        if row.messages is not None and masker is not None:
+        if row.messages is not None:
             masker.render(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
 
     index, malformed = index_rows(paths, on_error, check)
@@ -98,12 +97,11 @@ def scan_dataset(paths: list[Path], on_error: str, masker: ConversationMasker | 
     return {"num_rows": num_rows, "malformed_rows": malformed, "files": files, "index": index}
 
 
-def identity_record(cfg: ExtractConfig, *, facts, tokenizer, target_dir: Path, taps: list[int], dataset: dict,
+def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationPrompt, target_dir: Path, taps: list[int], dataset: dict,
                     compute_dtype: str) -> dict:
     """Everything that decides the cache's content; a later invocation must match it exactly."""
     import hashlib
     template = tokenizer.chat_template or ""
-    prompt = generation_prompt(tokenizer, cfg.chat_template_kwargs)
     return {
         "num_shards": cfg.num_shards,
         "target": {"model_type": facts.model_type, "config_sha256": facts.config_sha256,
@@ -132,11 +130,10 @@ CONTENT_COUNTS = ("rows_with_reasoning", "rows_with_tool_calls", "rows_with_tool
 ROW_COUNTS = ("malformed", "no_supervised_tokens", "overlong_skipped", "truncated")
 
 
-def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, tokenizer, vocab_size: int,
+def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, masker: ConversationMasker, vocab_size: int,
                     index=None) -> tuple[list, dict]:
     """(samples [(sample_id, input_ids, loss_mask)], counts) for one shard's rows."""
     counts = {"rows": len(rows), **dict.fromkeys(ROW_COUNTS + CONTENT_COUNTS, 0), "generated_by": {}}
-    masker = ConversationMasker(tokenizer, cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
 
     def refuse(message: str) -> None:
         if cfg.on_error != "skip":
@@ -234,15 +231,18 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     if cfg.generated_by is None and all(d.startswith("embedded:") for d in cfg.data):
         from dataclasses import replace
         cfg = replace(cfg, generated_by="the embedded target itself, greedy (pipeline/toy/generate.py)")
-    masker = ConversationMasker(load_tokenizer(target_dir), cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
+    tokenizer = load_tokenizer(target_dir)
+    # One masker (one probe of the generation prompt) for the validating pass and every shard.
+    masker = ConversationMasker(tokenizer, cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
     dataset = scan_dataset(paths, cfg.on_error, masker)
 
     use_cuda = torch.cuda.is_available()
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bfloat16" if use_cuda else "float32")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    model, tokenizer, tp_plan = load_target_model(target_dir, getattr(torch, compute), device, layout,
+    model, tp_plan = load_target_model(target_dir, getattr(torch, compute), device, layout,
                                                   facts.num_key_value_heads)
-    identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, target_dir=target_dir, taps=taps,
+    identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, prompt=masker.prompt(cfg.chat_template_kwargs),
+                               target_dir=target_dir, taps=taps,
                                dataset=dataset, compute_dtype=compute)
     cache_dir = Path(cfg.cache)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -265,7 +265,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     if layout.is_writer:
         update_manifest(cache_dir, init)
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
-    run = _ShardRun(cfg=cfg, paths=paths, tokenizer=tokenizer, facts=facts, taps=taps, model=model, layout=layout,
+    run = _ShardRun(cfg=cfg, paths=paths, masker=masker, facts=facts, taps=taps, model=model, layout=layout,
                     cache_dir=cache_dir, tp_plan=tp_plan, identity=shard_identity(identity), index=dataset["index"],
                     capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
@@ -338,9 +338,9 @@ class _ShardRun:
     """Forward on this thread; encoding, compression, writing and the commit of each shard on one
     background thread, so shard k commits while shard k+1 runs through the target."""
 
-    def __init__(self, *, cfg, paths, tokenizer, facts, taps, model, layout, cache_dir, tp_plan, identity, capture, index):
+    def __init__(self, *, cfg, paths, masker, facts, taps, model, layout, cache_dir, tp_plan, identity, capture, index):
         self.identity, self.index = identity, index
-        self.cfg, self.paths, self.tokenizer, self.facts, self.taps = cfg, paths, tokenizer, facts, taps
+        self.cfg, self.paths, self.masker, self.facts, self.taps = cfg, paths, masker, facts, taps
         self.model, self.layout, self.cache_dir, self.tp_plan, self.capture = model, layout, cache_dir, tp_plan, capture
         self.writer_queue = cfg.writer_queue if cfg.writer_queue is not None else (4 if torch.cuda.is_available() else 0)
         self.background = BackgroundWriter(depth=self.writer_queue) if layout.is_writer else None
@@ -348,7 +348,7 @@ class _ShardRun:
 
     def process(self, shard: int, rows: range, lock: FileLock | None, bar) -> None:
         cfg = self.cfg
-        samples, counts = prepare_samples(cfg, self.paths, rows, self.tokenizer, self.facts.vocab_size, self.index)
+        samples, counts = prepare_samples(cfg, self.paths, rows, self.masker, self.facts.vocab_size, self.index)
         if not samples:
             raise PipelineError(f"{shard_name(shard)}: none of its {len(rows)} rows yields a supervised sample "
                                 f"({counts}); fix the data or use fewer shards")

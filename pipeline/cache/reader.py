@@ -139,6 +139,14 @@ class ShardReader:
             return decode_bf16(bits)
         return decode_fp8(bits, self.read("hidden_scale", sample_id, start, stop))
 
+    def hidden_range(self, a: int, b: int, tap: int) -> torch.Tensor:
+        """One tap decoded to float32 [b - a, H] over token range [a, b) of the shard (the other
+        taps are read but never decoded): what a check over many samples at once needs."""
+        bits = self.read_range("hidden", a, b)[:, tap]
+        if self.hidden_format == "bf16":
+            return decode_bf16(bits).float()
+        return decode_fp8(bits, self.read_range("hidden_scale", a, b)[:, tap])
+
     def sample(self, sample_id: int) -> dict:
         """Every array of one sample, hidden states decoded."""
         names = ["input_ids", "loss_mask", "target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.cache.checks import WINDOW_TOKENS, Check, SampleList, sample_windows, sound_shards
-from pipeline.cache.encoding import decode_bf16, decode_fp8
 from pipeline.cache.reader import CacheReader
 from pipeline.data.conversations import index_rows, iter_rows
 from pipeline.data.loss_mask import ConversationMasker, mask_violations, newline_tokens
@@ -26,9 +25,7 @@ def shard_tokens(shard, names=("input_ids", "loss_mask"), *, tap: int | None = N
         a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
         arrays = {name: shard.read_range(name, a, b) for name in names}
         if tap is not None:
-            bits = shard.read_range("hidden", a, b)[:, tap]
-            arrays["tap"] = (decode_bf16(bits).float() if shard.hidden_format == "bf16"
-                             else decode_fp8(bits, shard.read_range("hidden_scale", a, b)[:, tap]))
+            arrays["tap"] = shard.hidden_range(a, b, tap)
         for row in range(lo, hi):
             s, e = int(shard.offsets[row]) - a, int(shard.offsets[row + 1]) - a
             yield row, int(shard.sample_ids[row]), {name: arr[s:e] for name, arr in arrays.items()}

@@ -98,6 +98,15 @@ def without_reasoning(message: dict) -> dict:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rendered:
+    text: str
+    messages: list[dict]                 # as rendered (reasoning removed under "drop")
+    spans: list[tuple[int, int]]         # generated character spans, one per assistant turn
+    reasoning_turns: int                 # assistant turns that carried reasoning in the data
+    dropped: int                         # of those, removed before rendering
+
+
 class ConversationMasker:
     """Renders and masks conversations for one tokenizer, template configuration and reasoning policy."""
 
@@ -115,10 +124,10 @@ class ConversationMasker:
         return self._prompts[key]
 
     def render(self, messages: list[dict], *, tools=None, row_kwargs: dict | None = None,
-               where: str = "conversation") -> tuple[str, list[dict], list[tuple[int, int]], int]:
-        """(text, messages as rendered, generated spans, reasoning turns dropped), or a PipelineError
-        naming `where` when the row cannot be rendered under this configuration. No tokenization:
-        extract's validating pass calls this on every row before any shard is written."""
+               where: str = "conversation") -> Rendered:
+        """The rendering and its generated spans, or a PipelineError naming `where` when the row
+        cannot be rendered under this configuration. No tokenization: extract's validating pass
+        calls this on every row before any shard is written."""
         kwargs = {**self.template_kwargs, **(row_kwargs or {})}
         prompt = self.prompt(kwargs)
         num_assistant = sum(m["role"] == "assistant" for m in messages)
@@ -136,11 +145,12 @@ class ConversationMasker:
         except Exception as e:  # noqa: BLE001 - templates raise many types (TemplateError, TypeError, ...)
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise PipelineError(f"{where}: the chat template refuses this row ({first})") from None
-        return text, messages, generated_spans(text, prompt, self.end_of_turn, num_assistant, where), dropped
+        return Rendered(text=text, messages=messages, spans=generated_spans(text, prompt, self.end_of_turn, num_assistant, where),
+                        reasoning_turns=reasoning_turns, dropped=dropped)
 
     def __call__(self, messages: list[dict], *, tools=None, row_kwargs: dict | None = None, where: str = "conversation") -> Tokenized:
-        reasoning_turns = sum(has_reasoning(m) for m in messages if m["role"] == "assistant")
-        text, messages, spans, dropped = self.render(messages, tools=tools, row_kwargs=row_kwargs, where=where)
+        rendered = self.render(messages, tools=tools, row_kwargs=row_kwargs, where=where)
+        text, messages, spans = rendered.text, rendered.messages, rendered.spans
         assistant = [m for m in messages if m["role"] == "assistant"]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -153,8 +163,8 @@ class ConversationMasker:
         # field) is not in the tokens: counted, so a dataset whose reasoning never arrives is visible.
         reasoning_fields = [m["reasoning_content"].strip() for m in messages
                             if m["role"] == "assistant" and (m.get("reasoning_content") or "").strip()]
-        stats = {"reasoning_turns": reasoning_turns,
-                 "reasoning_turns_dropped": dropped,
+        stats = {"reasoning_turns": rendered.reasoning_turns,
+                 "reasoning_turns_dropped": rendered.dropped,
                  "reasoning_turns_not_rendered": sum(r not in text for r in reasoning_fields),
                  "tool_call_turns": sum(bool(m.get("tool_calls")) for m in assistant),
                  "tool_replies": sum(m["role"] == "tool" for m in messages)}
