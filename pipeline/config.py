@@ -38,6 +38,10 @@ class ExtractConfig:
     compute_dtype: str = "auto"                   # "auto" (bf16 on GPU, fp32 on CPU) | "float32" | "bfloat16"
     batch_tokens: int = 8192                      # forward batch budget, padding included
     zstd_level: int = 3
+    # Overrides of the cache's file layout (pipeline/cache/schema.py Chunking: hidden_chunk_bytes,
+    # hidden_chunks_per_file, small_chunk_tokens, small_chunks_per_file); the defaults fit the
+    # flagship width. Recorded in the manifest.
+    chunking: dict = field(default_factory=dict)
     tp: int = 1
     # Batches queued for the background writer. None = auto: 4 when the target runs on a GPU;
     # 0 (write inline) on CPU, where a concurrent writer thread slows the multi-threaded forward
@@ -58,6 +62,7 @@ class ExtractConfig:
             (self.batch_tokens >= 1, f"batch_tokens must be >= 1, got {self.batch_tokens}"),
             (1 <= self.zstd_level <= 22, f"zstd_level must be in 1..22, got {self.zstd_level}"),
             (self.tp >= 1, f"tp must be >= 1, got {self.tp}"),
+            (isinstance(self.chunking, dict), "chunking must be a table"),
             (self.writer_queue is None or self.writer_queue >= 0, f"writer_queue must be >= 0, got {self.writer_queue}"),
             (isinstance(self.data, list) and self.data, "data must be a non-empty list of files"),
         ]

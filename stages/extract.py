@@ -20,7 +20,7 @@ import torch
 from pipeline.cache.encoding import encode_bf16, encode_fp8
 from pipeline.cache.files import FileLock
 from pipeline.cache.manifest import config_conflicts, new_manifest, read_manifest, shard_identity, update_manifest
-from pipeline.cache.schema import SCHEMA_VERSION, shard_lock_name, shard_name
+from pipeline.cache.schema import SCHEMA_VERSION, Chunking, shard_lock_name, shard_name
 from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
@@ -120,8 +120,20 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationP
                     "vocab_size": facts.vocab_size, "top_k": cfg.top_k, "hidden_format": cfg.hidden_format,
                     "stored_dtype": {"bf16": "bfloat16 bit pattern (uint16)", "fp8": "float8_e4m3fn (uint8) x float32 scale per token and tap"}[cfg.hidden_format],
                     "compute_dtype": compute_dtype, "max_length": cfg.max_length, "overlong": cfg.overlong,
-                    "on_error": cfg.on_error, "zstd_level": cfg.zstd_level, "checksum": "crc32c per chunk"},
+                    "on_error": cfg.on_error, "zstd_level": cfg.zstd_level, "checksum": "crc32c per inner chunk",
+                    "storage": chunking(cfg).record(cfg.hidden_format, cache_dims(cfg, facts, taps))},
     }
+
+
+def chunking(cfg: ExtractConfig) -> Chunking:
+    try:
+        return Chunking.from_options(cfg.chunking)
+    except (TypeError, ValueError) as e:
+        raise PipelineError(f"chunking: {e}") from None
+
+
+def cache_dims(cfg: ExtractConfig, facts, taps: list[int]) -> dict[str, int]:
+    return {"n_taps": len(taps), "hidden_size": facts.hidden_size, "top_k": cfg.top_k}
 
 
 # Per-shard counts of what the rows carried and what got supervised (summed over shards in the summary).
@@ -354,9 +366,8 @@ class _ShardRun:
                                 f"({counts}); fix the data or use fewer shards")
         writer = None
         if self.layout.is_writer:
-            dims = {"n_taps": len(self.taps), "hidden_size": self.facts.hidden_size, "top_k": cfg.top_k}
-            writer = ShardWriter(self.cache_dir, shard, dims=dims, hidden_format=cfg.hidden_format,
-                                 zstd_level=cfg.zstd_level,
+            writer = ShardWriter(self.cache_dir, shard, dims=cache_dims(cfg, self.facts, self.taps),
+                                 hidden_format=cfg.hidden_format, zstd_level=cfg.zstd_level, chunking=chunking(cfg),
                                  attrs={"schema_version": SCHEMA_VERSION, "row_range": [rows.start, rows.stop]},
                                  num_tokens=sum(len(s[1]) for s in samples))
         counter = KernelCallCounter(self.model)

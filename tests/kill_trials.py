@@ -29,7 +29,7 @@ import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: E402, F401
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
 
 from pipeline import faults  # noqa: E402
-from pipeline.cache.files import tree_digest  # noqa: E402
+from extract_helpers import shard_digest  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 
@@ -80,7 +80,7 @@ def inspect(cache: Path) -> dict:
     """What a reader would see right after the kill: listed shards must be whole, byte for byte."""
     manifest_path = cache / "manifest.json"
     listed = json.loads(manifest_path.read_text())["shards"] if manifest_path.exists() else {}
-    intact = all((cache / name).is_dir() and "sha256:" + tree_digest(cache / name) == rec["digest"]
+    intact = all((cache / name).is_dir() and shard_digest(cache / name) == rec["digest"]
                  for name, rec in listed.items())
     dirs = sorted(p.name for p in cache.glob("shard-*") if p.is_dir()) if cache.exists() else []
     return {"listed": sorted(listed), "listed_intact": intact,

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, cli, file_size_limit, in_namespace, needs_tmpfs, write_rows
-from pipeline.cache.files import tree_digest
+from extract_helpers import REPO, assert_same_content, cli, file_size_limit, in_namespace, needs_tmpfs, shard_digest, write_rows
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify
@@ -44,7 +43,7 @@ def listed(cache):
 def assert_consistent(cache):
     """Every listed shard is on disk byte for byte as recorded; nothing partial is left behind."""
     for name, record in listed(cache).items():
-        assert "sha256:" + tree_digest(cache / name) == record["digest"], name
+        assert shard_digest(cache / name) == record["digest"], name
     assert not list(cache.glob(".shard-*.tmp")) and not list(cache.glob(".manifest.json.tmp-*"))
 
 

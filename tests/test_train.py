@@ -335,7 +335,7 @@ def test_mixed_kernel_provenance_needs_the_flag(cache, tmp_path):
 def test_a_corrupted_chunk_stops_training_with_a_clear_error(cache, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(cache, bad)
-    chunk = bad / "shard-00001" / "hidden" / "c" / "0" / "0" / "0"
+    chunk = bad / "shard-00001" / "hidden" / "c.0.0.0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))

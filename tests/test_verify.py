@@ -120,7 +120,7 @@ def edit_manifest(cache, fn):
 
 
 def flip_byte(cache):
-    chunk = sorted((cache / "shard-00001" / "hidden" / "c").rglob("*"))[-1]
+    chunk = sorted((cache / "shard-00001" / "hidden").glob("c.*"))[-1]
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x01
     chunk.write_bytes(bytes(data))
@@ -157,7 +157,7 @@ FAULTS = [
     ("<|im_end|> unmasked", lambda c, x: per_shard(c, "loss_mask", unmask_im_end, "input_ids"),
      [], "mask_boundaries", "end-of-turn token not supervised"),
     ("a flipped byte in one chunk", lambda c, x: flip_byte(c), [], "checksums", "shard-00001/hidden chunk"),
-    ("a missing chunk", lambda c, x: (c / "shard-00001" / "target_argmax" / "c" / "0").unlink(),
+    ("a missing chunk", lambda c, x: (c / "shard-00001" / "target_argmax" / "c.0").unlink(),
      [], "structure", "shard-00001/target_argmax: chunk file(s) [0] missing"),
     ("a shard missing from disk but listed", lambda c, x: shutil.rmtree(c / "shard-00002"),
      [], "structure", "shard-00002: listed in the manifest but missing on disk"),

@@ -9,17 +9,16 @@ tokens) and hidden states one chunk at a time.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import tree_digest
+from pipeline.cache.files import digest_of_files, hash_files
 from pipeline.cache.manifest import shard_identity
-from pipeline.cache.reader import CacheReader, ShardReader
-from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape
+from pipeline.cache.reader import CacheReader, ShardReader, read_digests
+from pipeline.cache.schema import DIGESTS, array_specs, inner_shape
 from pipeline.errors import PipelineError
 
 WINDOW_TOKENS = 1 << 18  # about 70 MB of per-token arrays at top-k 32
@@ -60,6 +59,8 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
     """Every listed shard exists; counts, offsets, dtypes, shapes and chunking are as declared."""
     problems, specs = [], array_specs(reader.hidden_format)
     dims = dims_of(reader.manifest)
+    storage = {array: (geometry["chunk_tokens"], geometry["file_tokens"])
+               for array, geometry in reader.manifest["config"]["capture"]["storage"]["arrays"].items()}
     for name in shards:
         record = reader.manifest["shards"][name]
         path = reader.dir / name
@@ -72,11 +73,6 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
         except PipelineError as e:
             problems.append(str(e))
             continue
-        try:
-            chunks = _chunk_indices(path, reader.files(name))
-        except PipelineError as e:  # a link or special file among the chunks
-            problems.append(str(e))
-            chunks = None
         if shard.num_samples != record["samples"] or shard.num_tokens != record["tokens"]:
             problems.append(f"{name}: {shard.num_samples} samples / {shard.num_tokens} tokens on disk, "
                             f"manifest says {record['samples']} / {record['tokens']}")
@@ -93,13 +89,9 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
             want = (length, *inner_shape(spec, dims))
             if tuple(arr.shape) != want or str(arr.dtype) != spec.dtype:
                 problems.append(f"{name}/{spec.name}: {arr.dtype}{tuple(arr.shape)}, declared {spec.dtype}{want}")
-            elif spec.per == "token" and arr.chunks[0] != chunk_tokens(spec, dims):
-                problems.append(f"{name}/{spec.name}: chunks {arr.chunks}, schema says {chunk_tokens(spec, dims)} tokens")
-            elif chunks is not None:
-                expected = -(-arr.shape[0] // arr.chunks[0])
-                missing = sorted(set(range(expected)) - chunks[spec.name])
-                if missing:
-                    problems.append(f"{name}/{spec.name}: chunk file(s) {missing[:5]} missing of {expected}")
+            elif spec.per == "token" and (arr.chunks[0], arr.shards and arr.shards[0]) != storage.get(spec.name):
+                problems.append(f"{name}/{spec.name}: {arr.chunks[0]}-token chunks in {arr.shards}-token files, the "
+                                f"manifest's storage record says {storage.get(spec.name)}")
         attrs = dict(shard.group.attrs)
         for key in ("samples", "tokens", "row_range", "kernels", "identity"):
             if attrs.get(key) != record.get(key):
@@ -109,30 +101,35 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                  {"problems": problems[:50]})
 
 
-def _chunk_indices(path: Path, files: list[Path]) -> defaultdict[str, set[int]]:
-    """{array: token-axis indices of its chunk files}, from one listing of the shard."""
-    found = defaultdict(set)
-    for f in files:
-        parts = f.relative_to(path).parts  # (array, "c", token index, ...)
-        if len(parts) > 2 and parts[1] == "c":
-            found[parts[0]].add(int(parts[2]))
-    return found
-
-
 def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Check:
+    """Re-hash every file from disk: each against the shard's digests.json (so a mismatch is named
+    by file), and the shard's digest derived from them against the manifest."""
     if not enabled:
         return Check("digests", True, "skipped: --sample-rate < 1 reads only part of the cache", skipped=True)
-    bad = []
+    bad, files_checked = [], 0
     for name in shards:
-        if not (reader.dir / name).is_dir():
+        path = reader.dir / name
+        if not path.is_dir():
             continue  # reported by check_structure
         try:
-            if "sha256:" + tree_digest(reader.dir / name, reader.files(name)) != reader.manifest["shards"][name]["digest"]:
-                bad.append(name)
+            on_disk = hash_files(path, [f for f in reader.files(name) if f != path / DIGESTS])
+            listed = read_digests(path)
         except PipelineError as e:
             bad.append(f"{name} ({e})")
-    return Check("digests", not bad, f"sha256 of {len(shards)} shards" + (f": {len(bad)} differ from the manifest" if bad else " match the manifest"),
-                 {"mismatched": bad})
+            continue
+        files_checked += len(on_disk)
+        for rel in sorted(set(on_disk) | set(listed)):
+            if rel not in listed:
+                bad.append(f"{name}/{rel}: not listed in {DIGESTS}")
+            elif rel not in on_disk:
+                bad.append(f"{name}/{rel}: listed in {DIGESTS} but missing")
+            elif on_disk[rel] != listed[rel]:
+                bad.append(f"{name}/{rel}: sha256 or size differs from {DIGESTS}")
+        if "sha256:" + digest_of_files(on_disk) != reader.manifest["shards"][name]["digest"]:
+            bad.append(f"{name}: digest of its files differs from the manifest")
+    return Check("digests", not bad, f"sha256 of {files_checked} files in {len(shards)} shards"
+                 + (f": {len(bad)} mismatches" if bad else " match their shards' digests.json and the manifest"),
+                 {"mismatched": bad[:50]})
 
 
 def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, seed: int, progress=None) -> tuple[Check, Check, Check]:
@@ -149,15 +146,15 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
     for name, shard in sound_shards(reader, shards):
         for spec in array_specs(reader.hidden_format):
             arr = shard.group[spec.name]
-            step = arr.chunks[0]
+            step = arr.chunks[0]  # the inner chunk: the unit of decoding and of its CRC32C
             for a in range(0, arr.shape[0], step):
                 total += 1
                 if sample_rate < 1.0 and rng.random() >= sample_rate:
                     continue
                 try:
-                    block = arr[a:a + step]
-                except Exception as e:  # noqa: BLE001 - checksum and codec errors come in several types
-                    failures.append(f"{name}/{spec.name} chunk {a // step}: {type(e).__name__}: {str(e)[:120]}")
+                    block = shard.read_range(spec.name, a, a + step)
+                except PipelineError as e:  # a checksum, index or codec error, naming the file
+                    failures.append(f"{name}/{spec.name} chunk {a // step}: {str(e)[:200]}")
                     continue
                 decoded += 1
                 if spec.name == "hidden":

@@ -81,20 +81,28 @@ def regular_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def tree_digest(root: Path, files: list[Path] | None = None) -> str:
-    """sha256 over (relative path, size, bytes) of every file, in sorted order (`files`: the
-    result of `regular_files(root)` when the caller has it already)."""
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
-    for path in regular_files(root) if files is None else files:
-        rel = path.relative_to(root).as_posix()
-        data = path.read_bytes()
-        h.update(f"{rel}\0{len(data)}\0".encode())
-        h.update(data)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
     return h.hexdigest()
 
 
-def tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in regular_files(root))
+def digest_of_files(files: dict[str, tuple[int, str]]) -> str:
+    """One digest for a set of files from their (relative path, size, sha256): what the manifest
+    records for a shard. Derived from per-file digests, so the writer never re-reads a file and
+    verify can name the file that differs."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        size, sha = files[rel]
+        h.update(f"{rel}\0{size}\0{sha}\n".encode())
+    return h.hexdigest()
+
+
+def hash_files(root: Path, files: list[Path]) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, sha256)} of files under root, read from disk."""
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, file_sha256(p)) for p in files}
 
 
 class FileLock:

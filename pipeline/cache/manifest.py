@@ -33,6 +33,12 @@ def validate_manifest(manifest, path: Path) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise PipelineError(f"{path}: not a {FORMAT_NAME} manifest")
     version = manifest.get("schema_version")
+    if version == 1:
+        # Schema 1 (one file per chunk, nested key directories) is refused rather than read: its
+        # millions of files are what schema 2 exists to avoid, and both readers would have to be kept.
+        raise PipelineError(f"{path}: schema_version 1 (one file per chunk) is not read by this version, which "
+                            f"reads and writes schema {SCHEMA_VERSION} (few files, Zarr sharding): re-run "
+                            "`pipeline extract` into a new --cache directory")
     if version != SCHEMA_VERSION:
         raise PipelineError(f"{path}: schema_version {version!r} is not supported (this tool reads {SCHEMA_VERSION})")
     shards = manifest.get("shards")

@@ -1,14 +1,13 @@
 """Read a cache: the manifest, committed shards, one sample's positions without decoding the shard.
 
 Only shards listed in the manifest are visible. Per-sample arrays (offsets, sample_id) are read
-once per shard (16 bytes a sample); token arrays are read by slice, which decodes only the
-chunks that overlap it. Chunk checksums (CRC32C) are verified by Zarr on every read.
+once per shard (16 bytes a sample); token arrays are read by range through `ShardedArray`, which
+decodes only the inner chunks that overlap it and verifies each one's CRC32C.
 """
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,50 +15,62 @@ import torch
 import zarr
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import link_refused, regular_files
+from pipeline.cache.files import hash_files, regular_files
 from pipeline.cache.manifest import read_manifest
-from pipeline.cache.schema import check_dims, shard_index, shard_name
+from pipeline.cache.schema import DIGESTS, array_specs, check_dims, file_key, shard_index, shard_name
+from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.errors import PipelineError
 
 
-def _refuse_links(path: Path) -> None:
-    """The cheap part of the link check, on every open: the shard, its arrays' directories and
-    metadata, and the small per-sample arrays. (Links among the millions of hidden-state chunks
-    are found by verify-cache, which walks every file.)"""
+def read_digests(shard_dir: Path) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, sha256)} as the writer recorded them in the shard's digests.json."""
+    path = shard_dir / DIGESTS
     try:
-        if path.is_symlink():
-            raise link_refused(path)
-        for entry in os.scandir(path):
-            subs = list(os.scandir(entry.path)) if entry.is_dir(follow_symlinks=False) else []
-            linked = [e.path for e in (entry, *subs) if e.is_symlink()]
-            if linked:
-                raise link_refused(linked[0])
-        for name in ("offsets", "sample_id"):
-            if (path / name).is_dir():
-                regular_files(path / name)
-    except OSError as e:
-        raise PipelineError(f"{path}: cannot open shard ({e.strerror})") from None
+        listing = json.loads(path.read_text(encoding="utf-8"))["files"]
+        return {str(rel): (int(entry["bytes"]), str(entry["sha256"])) for rel, entry in listing.items()}
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: missing") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PipelineError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def hash_shard(shard_dir: Path) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, sha256)} of every file of a shard but digests.json, read from disk."""
+    return hash_files(shard_dir, [f for f in regular_files(shard_dir) if f != shard_dir / DIGESTS])
+
+
+def expected_files(array, name: str) -> list[str]:
+    """Relative paths of the data files an array of this shape and chunking has."""
+    per_file = (getattr(array, "shards", None) or array.chunks)[0]
+    return [file_key(name, i, array.ndim) for i in range(-(-array.shape[0] // per_file))]
 
 
 class ShardReader:
     def __init__(self, path: Path, hidden_format: str, *, chunk_cache_bytes: int = 0,
                  expected: tuple[int, int] | None = None):
-        """`chunk_cache_bytes` > 0 keeps that many bytes of decoded chunks (least recently used
-        dropped first): a shuffled pass over a shard whose samples are smaller than a chunk then
-        decodes (and CRC-checks) each chunk once instead of once per sample."""
+        """`chunk_cache_bytes` > 0 keeps that many bytes of decoded inner chunks (least recently
+        used dropped first): a shuffled pass over a shard whose samples are smaller than a chunk
+        then decodes (and CRC-checks) each chunk once instead of once per sample."""
         self.path = path
         self.hidden_format = hidden_format
-        self.cache_bytes = chunk_cache_bytes
-        self._chunks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self._cached = 0
+        self.cache = ChunkCache(chunk_cache_bytes) if chunk_cache_bytes else None
         self._arrays: dict = {}
-        _refuse_links(path)
+        self._sharded: dict[str, ShardedArray] = {}
+        try:
+            # A cache is untrusted input: a link anywhere in the shard (to /dev/zero, outside the
+            # cache) is refused, never followed. A shard is a few files per array, so this is cheap.
+            present = {f.relative_to(path).as_posix() for f in regular_files(path)}
+        except OSError as e:
+            raise PipelineError(f"{path}: cannot open shard ({e.strerror})") from None
         try:
             self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
             if expected is not None:
                 self._check_declared_shapes(*expected)
+            self._check_files(present)
             self.offsets = self.group["offsets"][:]
             self.sample_ids = self.group["sample_id"][:]
+        except PipelineError:
+            raise
         except Exception as e:  # noqa: BLE001 - zarr raises many types; the message names the shard
             raise PipelineError(f"{path}: cannot open shard ({type(e).__name__}: {e})") from None
         self.row_of = {int(s): i for i, s in enumerate(self.sample_ids)}
@@ -69,12 +80,29 @@ class ShardReader:
         read: a shard is untrusted input, and a declared petabyte array must not be allocated."""
         if not isinstance(samples, int) or not isinstance(tokens, int):
             raise PipelineError(f"{self.path}: the manifest has no sample/token counts for this shard")
-        for name, array in self.group.arrays():
+        for name, array in self._schema_arrays():
             first = array.shape[0] if array.shape else None
             want = samples + 1 if name == "offsets" else samples if name == "sample_id" else tokens
             if first != want:
                 raise PipelineError(f"{self.path}/{name}: declares shape {tuple(array.shape)}, but the manifest "
                                     f"says {samples} samples and {tokens} tokens")
+
+    def _schema_arrays(self):
+        """(name, array) of every array the schema defines for this format; a missing one is an error."""
+        for spec in array_specs(self.hidden_format):
+            try:
+                yield spec.name, self.array(spec.name)
+            except KeyError:
+                raise PipelineError(f"{self.path}/{spec.name}: array missing") from None
+
+    def _check_files(self, present: set[str]) -> None:
+        """Every data file the arrays' shapes imply is on disk: Zarr would read a missing file as
+        zeros, so a missing file is named here instead."""
+        for name, array in self._schema_arrays():
+            wanted = expected_files(array, name)
+            missing = [i for i, key in enumerate(wanted) if key not in present]
+            if missing:
+                raise PipelineError(f"{self.path}/{name}: chunk file(s) {missing[:5]} missing of {len(wanted)}")
 
     @property
     def num_samples(self) -> int:
@@ -95,9 +123,9 @@ class ShardReader:
     def read(self, name: str, sample_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         a, b = self.span(sample_id, start, stop)
         try:
-            return self._cached_range(name, a, b) if self.cache_bytes else self.array(name)[a:b]
-        except Exception as e:  # noqa: BLE001
-            raise PipelineError(f"{self.path}/{name}: read of sample {sample_id} failed ({type(e).__name__}: {e})") from None
+            return self.read_range(name, a, b)
+        except PipelineError as e:
+            raise PipelineError(f"{self.path}/{name}: read of sample {sample_id} failed ({e})") from None
 
     def array(self, name: str):
         """The opened Zarr array (opening one re-reads its metadata, so it is done once)."""
@@ -105,30 +133,21 @@ class ShardReader:
             self._arrays[name] = self.group[name]
         return self._arrays[name]
 
-    def _cached_range(self, name: str, a: int, b: int) -> np.ndarray:
-        array = self.array(name)
-        size = array.chunks[0]
-        parts = []
-        for c in range(a // size, (b - 1) // size + 1 if b > a else a // size):
-            key = (name, c)
-            chunk = self._chunks.get(key)
-            if chunk is None:
-                chunk = array[c * size:min((c + 1) * size, array.shape[0])]
-                self._chunks[key] = chunk
-                self._cached += chunk.nbytes
-                while self._cached > self.cache_bytes and len(self._chunks) > 1:
-                    self._cached -= self._chunks.popitem(last=False)[1].nbytes
-            else:
-                self._chunks.move_to_end(key)
-            parts.append(chunk[max(a - c * size, 0):b - c * size])
-        if not parts:
-            return array[a:b]
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+    def sharded(self, name: str) -> ShardedArray:
+        """A token array's direct reader (see pipeline/cache/sharded.py)."""
+        if name not in self._sharded:
+            self._sharded[name] = ShardedArray(self.array(name), self.path / name, name, self.cache)
+        return self._sharded[name]
 
     def read_range(self, name: str, a: int, b: int) -> np.ndarray:
         """Token (or sample) range [a, b) of one array, by global position inside the shard."""
         try:
-            return self.array(name)[a:b]
+            sharded = self._sharded.get(name)
+            if sharded is None and self.array(name).attrs.get("per") == "token":
+                sharded = self.sharded(name)
+            return sharded.read(a, b) if sharded is not None else self.array(name)[a:b]
+        except PipelineError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise PipelineError(f"{self.path}/{name}[{a}:{b}]: read failed ({type(e).__name__}: {e})") from None
 
@@ -173,8 +192,7 @@ class CacheReader:
         self._files: dict[str, list[Path]] = {}
 
     def files(self, name: str) -> list[Path]:
-        """Every file of a shard, links and special files refused; walked once per reader
-        (verify-cache's checks each need it, and a large shard holds ~10^5 chunk files)."""
+        """Every file of a shard, links and special files refused; walked once per reader."""
         if name not in self._files:
             self._files[name] = regular_files(self.dir / name)
         return self._files[name]

@@ -5,12 +5,21 @@ Layout of a cache directory:
     manifest.json            written last, atomically; lists committed shards (the commit marker)
     manifest.lock            advisory lock for manifest read-modify-write
     shard-00000/             one Zarr v3 group per shard, visible only once complete
+      digests.json           sha256 and size of every other file of the shard, written at commit
+      hidden/zarr.json       array metadata
+      hidden/c.0.0.0         one file per FILE of tokens (Zarr v3 sharding; flat '.' chunk keys)
     .shard-00000.tmp/        a shard being written (never read; removed on resume)
     .shard-00000.lock        held while a process writes that shard
 
 A shard is ragged and token-major: per-token arrays indexed by a global token position inside
-the shard, per-sample `offsets` [samples + 1] into them and stable `sample_id`s. Chunks are
-token ranges, so reading sample s positions i..j decodes only the chunks that overlap.
+the shard, per-sample `offsets` [samples + 1] into them and stable `sample_id`s.
+
+Schema 2 (this one) stores each per-token array with Zarr v3's sharding codec: a file holds
+`file_tokens` tokens as `file_tokens / chunk_tokens` independently compressed inner chunks
+(zstd, then CRC32C of each) plus an index (CRC32C-checked) at its end, so reading sample s
+positions i..j decodes only the inner chunks that overlap, while a billion tokens at the
+flagship width are about 7e4 files instead of 1.6e7 (schema 1: one file per chunk, nested
+`c/<i>/0/0` directories). Per-sample arrays are one plain chunk each.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT_NAME = "dflash-hidden-state-cache"
 
 MANIFEST = "manifest.json"
@@ -35,10 +44,8 @@ MAX_VOCAB = 2**24
 HIDDEN_FORMATS = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-# Target chunk size in raw bytes for the hidden array: large enough to compress well,
-# small enough that fetching one sample's positions decodes little extra.
-HIDDEN_CHUNK_BYTES = 4 * 2**20
-SMALL_CHUNK_TOKENS = 65_536
+DIGESTS = "digests.json"
+FILE_KEY_SEPARATOR = "."  # flat chunk keys: hidden/c.3.0.0, never a directory per chunk index
 
 
 def shard_name(index: int) -> str:
@@ -100,14 +107,75 @@ def inner_shape(spec: ArraySpec, dims: dict[str, int]) -> tuple[int, ...]:
     return tuple(dims[d] for d in spec.inner)
 
 
-def chunk_tokens(spec: ArraySpec, dims: dict[str, int]) -> int:
-    """Chunk length along the token axis; the hidden array targets HIDDEN_CHUNK_BYTES per chunk."""
-    if spec.name != "hidden":
-        return SMALL_CHUNK_TOKENS
+@dataclass(frozen=True, kw_only=True)
+class Chunking:
+    """How token arrays are cut into inner chunks (the unit of decoding) and files (the unit the
+    filesystem sees). The defaults fit the flagship width (5 taps x 5120, 51,200 bytes a token):
+    64-token hidden chunks (3.2 MiB raw; reading a sample decodes at most one extra chunk at each
+    end) and 256 of them per file (16,384 tokens, 0.84 GB raw): 61,035 hidden files per 1e9
+    tokens. Small arrays: 65,536-token chunks, 16 per file. The writer holds one file of each
+    token array in memory before writing it (see writer_buffer_bytes)."""
+
+    hidden_chunk_bytes: int = 4 * 2**20   # target raw bytes of one hidden-state inner chunk
+    hidden_chunks_per_file: int = 256
+    small_chunk_tokens: int = 65_536      # inner chunk of every other per-token array
+    small_chunks_per_file: int = 16
+
+    def __post_init__(self):
+        for name in ("hidden_chunk_bytes", "hidden_chunks_per_file", "small_chunk_tokens", "small_chunks_per_file"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 2**32:
+                raise ValueError(f"chunking.{name} must be an integer in 1..2^32, got {value!r}")
+
+    @classmethod
+    def from_options(cls, options: dict | None) -> "Chunking":
+        unknown = set(options or {}) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown chunking option(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**(options or {}))
+
+    def chunk_tokens(self, spec: ArraySpec, dims: dict[str, int]) -> int:
+        """Inner chunk length along the token axis (a power of two)."""
+        if spec.name != "hidden":
+            return self.small_chunk_tokens
+        tokens = max(16, self.hidden_chunk_bytes // max(token_bytes(spec, dims), 1))
+        return 1 << (tokens.bit_length() - 1)
+
+    def file_tokens(self, spec: ArraySpec, dims: dict[str, int]) -> int:
+        per_file = self.hidden_chunks_per_file if spec.name == "hidden" else self.small_chunks_per_file
+        return self.chunk_tokens(spec, dims) * per_file
+
+    def record(self, hidden_format: str, dims: dict[str, int]) -> dict:
+        """What the manifest records: the options and, per token array, the resulting geometry."""
+        arrays = {spec.name: {"chunk_tokens": self.chunk_tokens(spec, dims), "file_tokens": self.file_tokens(spec, dims)}
+                  for spec in array_specs(hidden_format) if spec.per == "token"}
+        return {"format": "zarr v3 sharding_indexed (inner: bytes, zstd, crc32c; index: crc32c, at the end)",
+                "chunk_key": f"default, separator {FILE_KEY_SEPARATOR!r}", "options": dict(self.__dict__),
+                "arrays": arrays, "writer_buffer_bytes": self.writer_buffer_bytes(hidden_format, dims)}
+
+    def writer_buffer_bytes(self, hidden_format: str, dims: dict[str, int]) -> int:
+        """Raw bytes a shard writer holds at most: one file of every token array."""
+        return sum(self.file_tokens(s, dims) * token_bytes(s, dims) for s in array_specs(hidden_format) if s.per == "token")
+
+    def files(self, hidden_format: str, dims: dict[str, int], tokens: int) -> int:
+        """Data files of one shard of `tokens` tokens (add PER_SHARD_FILES for metadata)."""
+        return sum(-(-tokens // self.file_tokens(s, dims)) for s in array_specs(hidden_format) if s.per == "token") \
+            + sum(1 for s in array_specs(hidden_format) if s.per == "sample")
+
+
+# Besides data files a shard holds: the group's and each array's zarr.json, and digests.json.
+def per_shard_files(hidden_format: str) -> int:
+    return 1 + len(array_specs(hidden_format)) + 1
+
+
+def token_bytes(spec: ArraySpec, dims: dict[str, int]) -> int:
     import numpy as np
-    per_token = int(np.prod(inner_shape(spec, dims))) * np.dtype(spec.dtype).itemsize
-    tokens = max(16, HIDDEN_CHUNK_BYTES // max(per_token, 1))
-    return 1 << (tokens.bit_length() - 1)  # a power of two
+    return int(np.prod(inner_shape(spec, dims))) * np.dtype(spec.dtype).itemsize
+
+
+def file_key(name: str, index: int, ndim: int) -> str:
+    """Relative path of file `index` (along the token axis) of an array with `ndim` dimensions."""
+    return FILE_KEY_SEPARATOR.join([f"{name}/c", str(index), *["0"] * (ndim - 1)])
 
 
 def check_dims(dims: dict[str, int]) -> None:

@@ -1,9 +1,12 @@
-"""Write one shard: incremental, chunk-aligned, committed atomically.
+"""Write one shard: incremental, file-aligned, committed atomically.
 
-Memory stays bounded by one chunk per array (plus per-sample offsets): rows are buffered until a
-whole chunk is ready, and each chunk is written exactly once. `commit()` writes the per-sample
-arrays and the shard record, fsyncs everything, renames `.shard-NNNNN.tmp` to `shard-NNNNN`
-and returns the record the manifest will list. Until then nothing looks complete.
+Memory stays bounded by one file per token array (`Chunking.writer_buffer_bytes`, plus 16 bytes
+a sample): rows are copied into a file-sized buffer, and each file is written exactly once,
+whole, when its buffer is full (Zarr's sharding codec then never reads a file back to update
+it). `commit()` writes the per-sample arrays, the shard record and `digests.json` (size and
+sha256 of every file, hashed as it was written: nothing is re-read), fsyncs exactly the files
+and directories written, renames `.shard-NNNNN.tmp` to `shard-NNNNN` and returns the record the
+manifest will list. Until then nothing looks complete.
 
 `BackgroundWriter` runs appends on a thread behind a bounded queue, so the forward pass never
 waits on compression or the disk unless the queue is full.
@@ -12,6 +15,7 @@ waits on compression or the disk unless the queue is full.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import queue
 import shutil
@@ -22,8 +26,10 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from pipeline.cache.files import describe_os_error, fsync_dir, fsync_tree, tree_bytes, tree_digest
-from pipeline.cache.schema import array_specs, chunk_tokens, inner_shape, shard_name, temp_shard_name
+from pipeline.cache.files import describe_os_error, digest_of_files, fsync_dir
+from pipeline.cache.schema import (DIGESTS, FILE_KEY_SEPARATOR, Chunking, array_specs, inner_shape, shard_name,
+                                   temp_shard_name)
+from pipeline.cache.store import DigestingStore
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 
@@ -45,39 +51,43 @@ def _storage_errors(method):
 
 class ShardWriter:
     @_storage_errors
-    def __init__(self, cache_dir: Path, index: int, *, dims: dict[str, int], hidden_format: str,
-                 zstd_level: int = 3, attrs: dict | None = None, num_tokens: int | None = None):
-        """num_tokens: the shard's final token count when known up front; the arrays are then
-        created at full size and never resized (half the metadata writes)."""
+    def __init__(self, cache_dir: Path, index: int, *, dims: dict[str, int], hidden_format: str, num_tokens: int,
+                 zstd_level: int = 3, attrs: dict | None = None, chunking: Chunking | None = None):
+        """num_tokens: the shard's final token count (the arrays are created at full size once)."""
         self.cache_dir = Path(cache_dir)
         self.index = index
         self.tmp = self.cache_dir / temp_shard_name(index)  # set before anything can fail (see _storage_errors)
         if self.tmp.exists():
             shutil.rmtree(self.tmp)  # a crashed earlier attempt: redo, never append to it
-        self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
+        self.store = DigestingStore(self.tmp)
+        self.group = zarr.open_group(self.store, mode="w", zarr_format=3)
         self.attrs = dict(attrs or {})
-        codecs = [ZstdCodec(level=zstd_level), Crc32cCodec()]
-        self.token_arrays, self.chunk = {}, {}
-        self.buffers: dict[str, list[np.ndarray]] = {}
-        self.buffered: dict[str, int] = {}
-        self.written: dict[str, int] = {}
+        self.codecs = [ZstdCodec(level=zstd_level), Crc32cCodec()]
         self.specs = {s.name: s for s in array_specs(hidden_format)}
         self.num_tokens = num_tokens
+        chunking = chunking or Chunking()
+        self.token_arrays: dict[str, zarr.Array] = {}
+        self.buffers: dict[str, np.ndarray] = {}    # one file of tokens per array
+        self.filled: dict[str, int] = {}           # tokens in the buffer
+        self.written: dict[str, int] = {}          # tokens already in files
         for spec in self.specs.values():
+            if spec.per != "token":
+                continue
             inner = inner_shape(spec, dims)
-            n = chunk_tokens(spec, dims) if spec.per == "token" else 1 << 16
-            length = num_tokens if (num_tokens is not None and spec.per == "token") else 0
-            arr = self.group.create_array(spec.name, shape=(length, *inner), chunks=(n, *inner), dtype=spec.dtype,
-                                          compressors=codecs, fill_value=0,
-                                          # every chunk gets a file (even all-zero ones), so a
-                                          # missing file is damage, never a silent fill value
-                                          config={"write_empty_chunks": True},
-                                          attributes={"per": spec.per, "logical": spec.logical})
-            if spec.per == "token":
-                self.token_arrays[spec.name], self.chunk[spec.name] = arr, n
-                self.buffers[spec.name], self.buffered[spec.name], self.written[spec.name] = [], 0, 0
+            chunk, per_file = chunking.chunk_tokens(spec, dims), chunking.file_tokens(spec, dims)
+            self.token_arrays[spec.name] = self._create(spec, (num_tokens, *inner), chunks=(chunk, *inner),
+                                                        shards=(per_file, *inner))
+            self.buffers[spec.name] = np.empty((min(per_file, num_tokens), *inner), dtype=spec.dtype)
+            self.filled[spec.name] = self.written[spec.name] = 0
         self.offsets = [0]
         self.sample_ids: list[int] = []
+
+    def _create(self, spec, shape, **chunking) -> zarr.Array:
+        return self.group.create_array(spec.name, shape=shape, dtype=spec.dtype, compressors=self.codecs, fill_value=0,
+                                       chunk_key_encoding={"name": "default", "separator": FILE_KEY_SEPARATOR},
+                                       # every inner chunk is stored, even an all-zero one
+                                       config={"write_empty_chunks": True},
+                                       attributes={"per": spec.per, "logical": spec.logical}, **chunking)
 
     @_storage_errors
     def append(self, sample_id: int, rows: dict[str, np.ndarray]) -> None:
@@ -86,46 +96,40 @@ class ShardWriter:
         n = lengths["input_ids"]
         if set(lengths.values()) != {n} or n == 0:
             raise ValueError(f"sample {sample_id}: per-token arrays disagree in length or are empty: {lengths}")
+        if self.offsets[-1] + n > self.num_tokens:
+            raise ValueError(f"{shard_name(self.index)}: more tokens than the {self.num_tokens} announced")
         for name in self.token_arrays:
-            self.buffers[name].append(np.asarray(rows[name], dtype=self.specs[name].dtype))
-            self.buffered[name] += n
-            if self.buffered[name] >= self.chunk[name]:
-                self._flush(name, final=False)
+            values, buffer, done = np.asarray(rows[name]), self.buffers[name], 0
+            while done < n:
+                take = min(n - done, len(buffer) - self.filled[name])
+                buffer[self.filled[name]:self.filled[name] + take] = values[done:done + take]
+                self.filled[name] += take
+                done += take
+                if self.filled[name] == len(buffer):
+                    self._write_file(name)
         self.offsets.append(self.offsets[-1] + n)
         self.sample_ids.append(int(sample_id))
 
-    def _flush(self, name: str, *, final: bool) -> None:
-        data = np.concatenate(self.buffers[name]) if self.buffers[name] else None
-        if data is None:
-            return
-        chunk = self.chunk[name]
-        take = len(data) if final else (len(data) // chunk) * chunk
-        if take == 0:
-            return
-        arr, start = self.token_arrays[name], self.written[name]
-        if self.num_tokens is None:
-            arr.resize((start + take, *arr.shape[1:]))
-        elif start + take > self.num_tokens:
-            raise ValueError(f"{shard_name(self.index)}: more tokens than the {self.num_tokens} announced")
-        arr[start:start + take] = data[:take]
-        failpoint("writer.chunk")
-        self.written[name] = start + take
-        rest = data[take:]
-        self.buffers[name] = [rest] if len(rest) else []
-        self.buffered[name] = len(rest)
+    def _write_file(self, name: str) -> None:
+        """Write the buffered tokens as one whole file (the last file of an array may be short)."""
+        count, start = self.filled[name], self.written[name]
+        if count:
+            self.token_arrays[name][start:start + count] = self.buffers[name][:count]
+            failpoint("writer.chunk")
+            self.written[name], self.filled[name] = start + count, 0
 
     @_storage_errors
     def commit(self) -> dict:
         if not self.sample_ids:
             raise ValueError(f"{shard_name(self.index)}: refusing to commit an empty shard")
-        for name in self.token_arrays:
-            self._flush(name, final=True)
-        if self.num_tokens is not None and self.offsets[-1] != self.num_tokens:
+        if self.offsets[-1] != self.num_tokens:
             raise ValueError(f"{shard_name(self.index)}: {self.offsets[-1]} tokens written, {self.num_tokens} announced")
+        for name in self.token_arrays:
+            self._write_file(name)
+        self.buffers.clear()
         for name, values in (("offsets", self.offsets), ("sample_id", self.sample_ids)):
-            arr = self.group[name]
-            arr.resize((len(values),))
-            arr[:] = np.asarray(values, dtype=self.specs[name].dtype)
+            spec = self.specs[name]
+            self._create(spec, (len(values),), chunks=(len(values),))[:] = np.asarray(values, dtype=spec.dtype)
         record = {
             "samples": len(self.sample_ids),
             "tokens": self.offsets[-1],
@@ -134,10 +138,14 @@ class ShardWriter:
             **self.attrs,
         }
         self.group.attrs.update({"shard": shard_name(self.index), **record})
-        fsync_tree(self.tmp)
+        files = dict(self.store.written)
+        listing = {"files": {rel: {"bytes": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())}}
+        (self.tmp / DIGESTS).write_text(json.dumps(listing, indent=1) + "\n", encoding="utf-8")
+        self._fsync([*files, DIGESTS])
         failpoint("writer.fsynced")
-        record["bytes"] = tree_bytes(self.tmp)
-        record["digest"] = "sha256:" + tree_digest(self.tmp)
+        record["bytes"] = sum(size for size, _ in files.values()) + (self.tmp / DIGESTS).stat().st_size
+        record["files"] = len(files) + 1
+        record["digest"] = "sha256:" + digest_of_files(files)
         final = self.cache_dir / shard_name(self.index)
         if final.exists():
             shutil.rmtree(final)  # an unlisted leftover of a run that died before the manifest update
@@ -145,6 +153,21 @@ class ShardWriter:
         fsync_dir(self.cache_dir)
         failpoint("writer.renamed")  # committed on disk, not yet listed in the manifest
         return record
+
+    def _fsync(self, files: list[str]) -> None:
+        """fsync exactly the files written and the directories that hold them, so the rename
+        that follows is durable."""
+        directories = {self.tmp}
+        for rel in files:
+            path = self.tmp / rel
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            directories.add(path.parent)
+        for directory in sorted(directories, key=lambda d: -len(d.parts)):
+            fsync_dir(directory)
 
 
 class BackgroundWriter:
