@@ -121,7 +121,7 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationP
                     "stored_dtype": {"bf16": "bfloat16 bit pattern (uint16)", "fp8": "float8_e4m3fn (uint8) x float32 scale per token and tap"}[cfg.hidden_format],
                     "compute_dtype": compute_dtype, "max_length": cfg.max_length, "overlong": cfg.overlong,
                     "on_error": cfg.on_error, "zstd_level": cfg.zstd_level, "checksum": "crc32c per inner chunk",
-                    "storage": chunking(cfg).record(cfg.hidden_format, cache_dims(cfg, facts, taps))},
+                    "storage": chunking(cfg).record()},
     }
 
 
@@ -259,7 +259,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     cache_dir = Path(cfg.cache)
     cache_dir.mkdir(parents=True, exist_ok=True)
     plan = {"assignment": "contiguous: shard s holds rows [s*N//S, (s+1)*N//S)", "num_rows": dataset["num_rows"],
-            "num_shards": cfg.num_shards}
+            "num_shards": cfg.num_shards,
+            "storage": chunking(cfg).geometry(cfg.hidden_format, cache_dims(cfg, facts, taps))}
 
     def init(manifest):
         if manifest is None:

@@ -46,7 +46,8 @@ def child(cache: Path, plan: dict, *, failpoint: str = "", writer_queue: int = 0
     try:
         os.environ[faults.ENV] = failpoint
         cfg = ExtractConfig(cache=str(cache), data=[plan["data"]], num_shards=plan["num_shards"],
-                            batch_tokens=plan["batch_tokens"], writer_queue=writer_queue)
+                            batch_tokens=plan["batch_tokens"], writer_queue=writer_queue,
+                            chunking=plan.get("chunking", {}))
         summary = run_extract(cfg, None, progress=False)
         if hits_file is not None:
             hits_file.write_text(json.dumps(dict(faults.HITS)))

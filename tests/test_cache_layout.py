@@ -25,16 +25,26 @@ from stages.extract import run_extract
 SMALL = {"hidden_chunk_bytes": 4096, "hidden_chunks_per_file": 4, "small_chunk_tokens": 64, "small_chunks_per_file": 3}
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
-def cache(request, tmp_path_factory, train_rows):
-    root = tmp_path_factory.mktemp(f"layout-{request.param}")
-    data = write_rows(root / "rows.jsonl", train_rows[:60])
+def extracted(root, rows, hidden_format):
+    data = write_rows(root / "rows.jsonl", rows)
     run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=2,
-                              hidden_format=request.param, chunking=SMALL), None, progress=False)
+                              hidden_format=hidden_format, chunking=SMALL), None, progress=False)
     return root / "cache"
 
 
-def test_direct_reader_equals_zarrs_reader(cache):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, train_rows):
+    return extracted(tmp_path_factory.mktemp("layout"), train_rows[:60], "bf16")
+
+
+@pytest.fixture(scope="module")
+def fp8_cache(tmp_path_factory, train_rows):
+    return extracted(tmp_path_factory.mktemp("layout-fp8"), train_rows[:30], "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_direct_reader_equals_zarrs_reader(request, fmt):
+    cache = request.getfixturevalue("cache" if fmt == "bf16" else "fp8_cache")
     """Every token array, whole and in random ranges (inner-chunk and file boundaries included),
     with and without the chunk cache, decodes to exactly what Zarr itself reads."""
     reader = CacheReader(cache)
@@ -63,7 +73,8 @@ def test_files_on_disk_match_the_schema_formula(cache):
         formula = chunking.files(capture["hidden_format"], dims, record["tokens"]) + per_shard_files(capture["hidden_format"])
         assert len(files) == formula == record["files"], name
         assert not [f for f in files if f.parent.name == "c"], "no nested chunk-key directories"
-    hidden = capture["storage"]["arrays"]["hidden"]
+    assert capture["storage"]["options"] == chunking.__dict__
+    hidden = manifest["plan"]["storage"]["arrays"]["hidden"]
     assert hidden["file_tokens"] == hidden["chunk_tokens"] * SMALL["hidden_chunks_per_file"]
 
 
@@ -105,7 +116,7 @@ def test_damage_is_named_by_file_and_chunk(copy, where):
     message = r"inner chunk \d+: CRC32C mismatch" if where == "inner chunk" else "index CRC32C mismatch"
     with pytest.raises(PipelineError, match=f"{target}: .*{message}" if where == "inner chunk" else f"{target}: {message}"):
         shard.read_range("hidden", 0, shard.num_tokens)
-    report = json.loads(cli("verify-cache", str(copy), "--json").stdout)
+    report = json.loads(cli("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
     checks = {c["check"]: c for c in report["checks"]}
     assert checks["checksums"]["status"] == "fail" and str(target) in json.dumps(checks["checksums"])
     assert checks["digests"]["status"] == "fail"
@@ -134,7 +145,7 @@ def test_an_edited_digest_list_is_caught_by_the_manifest_digest(copy):
     size, sha = hash_shard(copy / "shard-00000")["target_argmax/c.0"]
     listing["files"]["target_argmax/c.0"] = {"bytes": size, "sha256": sha}
     (copy / "shard-00000" / "digests.json").write_text(json.dumps(listing))
-    report = json.loads(cli("verify-cache", str(copy), "--json").stdout)
+    report = json.loads(cli("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
     digests = next(c for c in report["checks"] if c["check"] == "digests")
     assert digests["status"] == "fail"
     assert digests["evidence"]["mismatched"] == ["shard-00000: digest of its files differs from the manifest"]

@@ -54,7 +54,10 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
     random delay; the writer runs inline in half of them and on its background thread in the
     other half."""
     plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
-            "seed": 9, "per_failpoint": 4, "timed": 4}
+            "seed": 9, "per_failpoint": 4, "timed": 4,
+            # small files, so that kills land between the file writes of a shard, not only at its commit
+            "chunking": {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256,
+                         "small_chunks_per_file": 4}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     result = subprocess.run([sys.executable, "tests/kill_trials.py", str(tmp_path / "plan.json")], cwd=REPO,
                             capture_output=True, text=True, timeout=900,

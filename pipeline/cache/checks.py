@@ -59,8 +59,8 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
     """Every listed shard exists; counts, offsets, dtypes, shapes and chunking are as declared."""
     problems, specs = [], array_specs(reader.hidden_format)
     dims = dims_of(reader.manifest)
-    storage = {array: (geometry["chunk_tokens"], geometry["file_tokens"])
-               for array, geometry in reader.manifest["config"]["capture"]["storage"]["arrays"].items()}
+    storage = {spec.name: (reader.chunking.chunk_tokens(spec, dims), reader.chunking.file_tokens(spec, dims))
+               for spec in specs}
     for name in shards:
         record = reader.manifest["shards"][name]
         path = reader.dir / name
@@ -91,7 +91,7 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                 problems.append(f"{name}/{spec.name}: {arr.dtype}{tuple(arr.shape)}, declared {spec.dtype}{want}")
             elif spec.per == "token" and (arr.chunks[0], arr.shards and arr.shards[0]) != storage.get(spec.name):
                 problems.append(f"{name}/{spec.name}: {arr.chunks[0]}-token chunks in {arr.shards}-token files, the "
-                                f"manifest's storage record says {storage.get(spec.name)}")
+                                f"manifest's chunking gives {storage.get(spec.name)}")
         attrs = dict(shard.group.attrs)
         for key in ("samples", "tokens", "row_range", "kernels", "identity"):
             if attrs.get(key) != record.get(key):

@@ -15,9 +15,9 @@ import torch
 import zarr
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import hash_files, regular_files
+from pipeline.cache.files import hash_files, link_refused, regular_files
 from pipeline.cache.manifest import read_manifest
-from pipeline.cache.schema import DIGESTS, array_specs, check_dims, file_key, shard_index, shard_name
+from pipeline.cache.schema import DIGESTS, Chunking, array_specs, check_dims, file_key, shard_index, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.errors import PipelineError
 
@@ -56,6 +56,8 @@ class ShardReader:
         self.cache = ChunkCache(chunk_cache_bytes) if chunk_cache_bytes else None
         self._arrays: dict = {}
         self._sharded: dict[str, ShardedArray] = {}
+        if path.is_symlink():
+            raise link_refused(path)
         try:
             # A cache is untrusted input: a link anywhere in the shard (to /dev/zero, outside the
             # cache) is refused, never followed. A shard is a few files per array, so this is cheap.
@@ -185,6 +187,7 @@ class CacheReader:
             capture = manifest["config"]["capture"]
             check_dims({"n_taps": len(capture["target_layer_ids"]), "hidden_size": capture["hidden_size"],
                         "top_k": capture["top_k"], "vocab_size": capture["vocab_size"]})
+            self.chunking = Chunking.from_options(capture["storage"]["options"])
         except (KeyError, TypeError, ValueError) as e:
             raise PipelineError(f"{self.dir / 'manifest.json'}: bad capture record ({type(e).__name__}: {e})") from None
         self.hidden_format = capture["hidden_format"]

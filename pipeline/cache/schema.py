@@ -145,13 +145,16 @@ class Chunking:
         per_file = self.hidden_chunks_per_file if spec.name == "hidden" else self.small_chunks_per_file
         return self.chunk_tokens(spec, dims) * per_file
 
-    def record(self, hidden_format: str, dims: dict[str, int]) -> dict:
-        """What the manifest records: the options and, per token array, the resulting geometry."""
+    def record(self) -> dict:
+        """What decides the layout (part of the cache's identity in the manifest)."""
+        return {"format": "zarr v3 sharding_indexed (inner: bytes, zstd, crc32c; index: crc32c, at the end)",
+                "chunk_key": f"default, separator {FILE_KEY_SEPARATOR!r}", "options": dict(self.__dict__)}
+
+    def geometry(self, hidden_format: str, dims: dict[str, int]) -> dict:
+        """What the options give at these dimensions, per token array, and the writer's memory."""
         arrays = {spec.name: {"chunk_tokens": self.chunk_tokens(spec, dims), "file_tokens": self.file_tokens(spec, dims)}
                   for spec in array_specs(hidden_format) if spec.per == "token"}
-        return {"format": "zarr v3 sharding_indexed (inner: bytes, zstd, crc32c; index: crc32c, at the end)",
-                "chunk_key": f"default, separator {FILE_KEY_SEPARATOR!r}", "options": dict(self.__dict__),
-                "arrays": arrays, "writer_buffer_bytes": self.writer_buffer_bytes(hidden_format, dims)}
+        return {"arrays": arrays, "writer_buffer_bytes": self.writer_buffer_bytes(hidden_format, dims)}
 
     def writer_buffer_bytes(self, hidden_format: str, dims: dict[str, int]) -> int:
         """Raw bytes a shard writer holds at most: one file of every token array."""

@@ -20,6 +20,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +142,9 @@ class ShardWriter:
         files = dict(self.store.written)
         listing = {"files": {rel: {"bytes": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())}}
         (self.tmp / DIGESTS).write_text(json.dumps(listing, indent=1) + "\n", encoding="utf-8")
+        synced = time.perf_counter()
         self._fsync([*files, DIGESTS])
+        self.fsync_seconds = time.perf_counter() - synced  # most of a commit: the disk catching up
         failpoint("writer.fsynced")
         record["bytes"] = sum(size for size, _ in files.values()) + (self.tmp / DIGESTS).stat().st_size
         record["files"] = len(files) + 1

@@ -1,0 +1,235 @@
+"""Cache layout at scale (issue 15): files, commit time and read rate, measured on real shards.
+
+    python benchmarks/cache_layout.py [--json] [--skip-commit] [--skip-read]
+
+Runs against whichever tree is on sys.path first, so the same script measures the schema-1
+writer of an older checkout (`PYTHONPATH=<old checkout> python benchmarks/cache_layout.py`)
+and the current one; it uses only the ShardWriter / CacheReader API both have.
+
+1. Files: one shard of 32,768 tokens written at a reduced width (5 taps x 512, 5,120 bytes a
+   token, 8x narrower than Qwen3.6-27B), default chunking; files and directories counted on
+   disk, next to the schema's formula at that width and at the flagship width per 1e9 tokens.
+2. Commit time vs shard size: shards of 32,768 / 131,072 / 524,288 tokens (1x, 4x, 16x) at the
+   reduced width; the time of `commit()` alone (appends excluded), 2 repeats, median.
+3. Read rate at the flagship width (5 taps x 5,120, 51,200 bytes a token, default chunking),
+   one shard of 32,768 tokens in samples of 256..4,096 tokens: decoded hidden-state bytes per
+   second of wall and of CPU time, reading whole samples in order and in shuffled order (the
+   trainer's access, with its 256 MiB chunk cache), next to zstd's own decode rate on the same
+   stored frames and a memory copy of the same bytes: the limit and the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pipeline.cache.schema as schema  # noqa: E402
+from pipeline.cache.encoding import encode_bf16  # noqa: E402
+from pipeline.cache.reader import CacheReader  # noqa: E402
+from pipeline.cache.writer import ShardWriter  # noqa: E402
+
+TAPS, TOP_K = 5, 32
+REDUCED, FLAGSHIP = 512, 5120
+TREE = "schema 2 (sharded)" if schema.SCHEMA_VERSION >= 2 else f"schema {schema.SCHEMA_VERSION} (file per chunk)"
+
+
+def hidden_block(tokens: int, hidden: int, seed: int = 0) -> np.ndarray:
+    """bf16 bit patterns shaped like a residual stream: per-channel scales, heavy-ish tails."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(TAPS, hidden, generator=g) * 0.7)
+    x = torch.randn(tokens, TAPS, hidden, generator=g) * scale
+    return encode_bf16(x)
+
+
+def sample_lengths(total: int, seed: int = 0) -> list[int]:
+    rng, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(rng.randint(256, 4096))
+    out[-1] -= sum(out) - total
+    if out[-1] <= 0:
+        out.pop()
+        out[-1] += total - sum(out)
+    return out
+
+
+def write_shard(cache: Path, index: int, tokens: int, hidden: int, block: np.ndarray) -> tuple[dict, float, float]:
+    """(record, seconds appending, seconds in commit)."""
+    dims = {"n_taps": TAPS, "hidden_size": hidden, "top_k": TOP_K}
+    writer = ShardWriter(cache, index, dims=dims, hidden_format="bf16", num_tokens=tokens)
+    rng = np.random.default_rng(index)
+    start, pos = time.perf_counter(), 0
+    for sid, n in enumerate(sample_lengths(tokens, index)):
+        rows = np.arange(pos, pos + n) % len(block)
+        ids = rng.integers(0, 248_000, n, dtype=np.int32)
+        writer.append(sid, {
+            "input_ids": ids, "loss_mask": np.ones(n, np.uint8), "target_argmax": ids,
+            "target_topk_ids": rng.integers(0, 248_000, (n, TOP_K), dtype=np.int32),
+            "target_topk_logits": np.sort(rng.standard_normal((n, TOP_K), dtype=np.float32))[:, ::-1],
+            "target_logsumexp": rng.standard_normal(n, dtype=np.float32), "hidden": block[rows]})
+        pos += n
+    appended = time.perf_counter()
+    record = writer.commit()
+    committed = time.perf_counter() - appended
+    record["_fsync_s"] = getattr(writer, "fsync_seconds", None)  # schema 2 times its fsync separately
+    return record, appended - start, committed
+
+
+def count_tree(root: Path) -> tuple[int, int]:
+    files = dirs = 0
+    for _, dirnames, filenames in os.walk(root):
+        files += len(filenames)
+        dirs += len(dirnames)
+    return files, dirs
+
+
+def files_formula(hidden: int, tokens: float) -> dict:
+    """Data files per `tokens` tokens at this width, for schema 1 and schema 2 defaults."""
+    per_token_hidden = TAPS * hidden * 2
+    v1_chunk = max(16, (4 * 2**20) // per_token_hidden)
+    v1_chunk = 1 << (v1_chunk.bit_length() - 1)
+    v1 = tokens / v1_chunk + 6 * tokens / 65_536
+    v2 = tokens / (v1_chunk * 256) + 6 * tokens / (65_536 * 16)
+    # schema 1 also made two directories per hidden chunk index (c/<i>/ and c/<i>/0/)
+    return {"schema1_files": v1, "schema1_inodes": v1 + 2 * tokens / v1_chunk, "schema2_files": v2}
+
+
+def measure_files(root: Path) -> dict:
+    block = hidden_block(8192, REDUCED)
+    cache = root / "files"
+    cache.mkdir()
+    tokens = 32_768
+    write_shard(cache, 0, tokens, REDUCED, block)
+    files, dirs = count_tree(cache / "shard-00000")
+    return {"tree": TREE, "tokens": tokens, "width_bytes": TAPS * REDUCED * 2, "files": files, "dirs": dirs,
+            "formula_reduced": files_formula(REDUCED, tokens),
+            "formula_flagship_per_1e9": files_formula(FLAGSHIP, 1e9)}
+
+
+def measure_commit(root: Path, repeats: int) -> list[dict]:
+    block = hidden_block(8192, REDUCED, seed=1)
+    out = []
+    for tokens in (32_768, 131_072, 524_288):
+        times, appends, fsyncs = [], [], []
+        for r in range(repeats):
+            cache = root / f"commit-{tokens}-{r}"
+            cache.mkdir()
+            record, appended, committed = write_shard(cache, 0, tokens, REDUCED, block)
+            times.append(committed)
+            appends.append(appended)
+            fsyncs.append(record.pop("_fsync_s"))
+            files, _ = count_tree(cache / "shard-00000")
+            shutil.rmtree(cache)
+        out.append({"tokens": tokens, "stored_bytes": record["bytes"], "files": files,
+                    "commit_s": statistics.median(times), "append_s": statistics.median(appends),
+                    "fsync_s": statistics.median(fsyncs) if None not in fsyncs else None})
+        print(f"  commit {tokens:>7} tokens: {statistics.median(times):.3f} s (appends {statistics.median(appends):.1f} s, "
+              f"{files} files)", file=sys.stderr)
+    return out
+
+
+def rate(nbytes: int, fn) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return nbytes / (time.perf_counter() - wall) / 1e9, nbytes / (time.process_time() - cpu) / 1e9
+
+
+def stored_frames(shard_dir: Path) -> list[bytes]:
+    """The zstd frames of the hidden array as stored (CRC32C stripped), whatever the schema."""
+    import zarr
+
+    array = zarr.open_array(str(shard_dir / "hidden"), mode="r")
+    frames = []
+    if getattr(array, "shards", None):
+        per_file = array.shards[0] // array.chunks[0]
+        for f in sorted((shard_dir / "hidden").glob("c.*")):
+            data = f.read_bytes()
+            index = np.frombuffer(data[-(per_file * 16 + 4):-4], "<u8").reshape(per_file, 2)
+            frames += [data[int(o):int(o + n) - 4] for o, n in index if o != 2**64 - 1]
+    else:
+        frames = [p.read_bytes()[:-4] for p in sorted((shard_dir / "hidden" / "c").rglob("*")) if p.is_file()]
+    return frames
+
+
+def measure_read(root: Path, repeats: int) -> dict:
+    from numcodecs import Zstd
+
+    cache = root / "read"
+    cache.mkdir()
+    tokens = 32_768
+    block = hidden_block(8192, FLAGSHIP, seed=2)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    record, _, _ = write_shard(cache, 0, tokens, FLAGSHIP, block)
+    record.pop("_fsync_s")
+    writer_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    from pipeline.cache.manifest import new_manifest
+    from pipeline.cache.files import write_json_atomic
+    manifest = new_manifest(config={"capture": {"target_layer_ids": list(range(TAPS)), "hidden_size": FLAGSHIP,
+                                                "top_k": TOP_K, "vocab_size": 248_320, "hidden_format": "bf16",
+                                                "storage": {"options": {}}}},
+                            provenance={}, plan={})
+    manifest["shards"]["shard-00000"] = record
+    write_json_atomic(cache / "manifest.json", manifest)
+    reader = CacheReader(cache)
+    ids = [int(s) for s in reader.shard(0).sample_ids]
+    raw = tokens * TAPS * FLAGSHIP * 2
+    results = {"tree": TREE, "tokens": tokens, "raw_hidden_bytes": raw, "writer_peak_rss_growth_bytes": writer_peak,
+               "stored_hidden_bytes":
+               sum(p.stat().st_size for p in (cache / "shard-00000" / "hidden").rglob("*") if p.is_file())}
+    shuffled = ids[:]
+    random.Random(0).shuffle(shuffled)
+    for name, order, cache_bytes in (("sequential", ids, 0), ("shuffled", shuffled, 256 * 2**20)):
+        runs = []
+        for _ in range(repeats):
+            shard = reader.shard(0, chunk_cache_bytes=cache_bytes)
+            runs.append(rate(raw, lambda: [shard.read("hidden", s) for s in order]))
+        results[name] = {"wall_GBps": max(r[0] for r in runs), "cpu_GBps": max(r[1] for r in runs)}
+    frames = stored_frames(cache / "shard-00000")
+    raw_chunk = raw // len(frames)
+    out = np.empty(raw_chunk, np.uint8)
+    zstd = Zstd()
+    results["zstd_limit"] = dict(zip(("wall_GBps", "cpu_GBps"), max(
+        (rate(raw, lambda: [zstd.decode(f, out=out) for f in frames]) for _ in range(repeats)), key=lambda r: r[0])))
+    chunks = [np.frombuffer(np.random.default_rng(0).bytes(raw_chunk), np.uint8) for _ in range(8)]
+    results["memcpy"] = dict(zip(("wall_GBps", "cpu_GBps"), max(
+        (rate(raw, lambda: [np.copyto(out, chunks[i % 8]) for i in range(len(frames))]) for _ in range(repeats)),
+        key=lambda r: r[0])))
+    for key in ("sequential", "shuffled"):
+        results[key]["of_zstd"] = results[key]["wall_GBps"] / results["zstd_limit"]["wall_GBps"]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--skip-commit", action="store_true")
+    parser.add_argument("--skip-read", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="dflash-layout-") as tmp:
+        root = Path(tmp)
+        result = {"tree": TREE, "files": measure_files(root)}
+        print(f"{TREE}: files {result['files']['files']}, dirs {result['files']['dirs']}", file=sys.stderr)
+        if not args.skip_commit:
+            result["commit"] = measure_commit(root, args.repeats)
+        if not args.skip_read:
+            result["read"] = measure_read(root, args.repeats)
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

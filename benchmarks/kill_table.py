@@ -1,0 +1,84 @@
+"""The kill -9 trial table: extraction killed at every phase, then resumed.
+
+    python benchmarks/kill_table.py [--rows 24] [--per-failpoint 4] [--timed 4] [--json]
+
+Runs tests/kill_trials.py (one process per trial, SIGKILL at a random hit of each failpoint or
+after a random delay, the writer inline and on its thread alternately; small chunking so that
+kills land between the file writes of a shard) and then, per trial, compares the resumed cache
+with the uninterrupted reference sample by sample (every array, exactly). Prints one row per
+phase: trials, killed, listed shards intact after the kill, resumed OK, content identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from extract_helpers import assert_same_content, write_rows  # noqa: E402
+
+CHUNKING = {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256, "small_chunks_per_file": 4}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=24)
+    parser.add_argument("--shards", type=int, default=3)
+    parser.add_argument("--per-failpoint", type=int, default=4)
+    parser.add_argument("--timed", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in (REPO / "pipeline/embedded/data/train.jsonl").read_text().splitlines()[:args.rows]]
+    with tempfile.TemporaryDirectory(prefix="dflash-kill-") as tmp:
+        root = Path(tmp)
+        data = write_rows(root / "convs.jsonl", rows)
+        plan = {"root": str(root), "data": str(data), "num_shards": args.shards, "batch_tokens": 256, "seed": 9,
+                "per_failpoint": args.per_failpoint, "timed": args.timed, "chunking": CHUNKING}
+        (root / "plan.json").write_text(json.dumps(plan))
+        result = subprocess.run([sys.executable, "tests/kill_trials.py", str(root / "plan.json")], cwd=REPO,
+                                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                     "PIPELINE_FAILPOINT": ""})
+        if result.returncode:
+            sys.exit(result.stderr[-3000:])
+        report = json.loads(result.stdout)
+        table = defaultdict(lambda: defaultdict(int))
+        for trial in report["trials"]:
+            phase = trial["failpoint"].split("@")[0] if "failpoint" in trial else "random delay"
+            row = table[phase]
+            row["trials"] += 1
+            row["killed"] += trial["run"] == "killed"
+            row["listed_intact_after_kill"] += trial["after_kill"]["listed_intact"]
+            row["shards_listed_after_kill"] += len(trial["after_kill"]["listed"])
+            row["resumed_ok"] += trial["resume"] == "ok" and trial["after_resume"]["listed_intact"] \
+                and not trial["after_resume"]["partial"] and len(trial["after_resume"]["listed"]) == args.shards
+            try:
+                assert_same_content(Path(trial["cache"]), Path(report["reference"]))
+                row["content_identical"] += 1
+            except AssertionError:
+                pass
+        hits = report["hits"]
+    out = {"rows": args.rows, "shards": args.shards, "failpoint_hits_in_reference": hits, "seconds": report["seconds"],
+           "phases": {k: dict(v) for k, v in table.items()}}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print("| phase killed at | hits in a full run | trials | killed | listed shards intact after the kill "
+          "| shards listed after the kill | resumed to all shards | content identical to uninterrupted |")
+    print("|---|---|---|---|---|---|---|---|")
+    for phase, row in table.items():
+        print(f"| {phase} | {hits.get(phase, '-')} | {row['trials']} | {row['killed']} | {row['listed_intact_after_kill']} "
+              f"| {row['shards_listed_after_kill']} | {row['resumed_ok']} | {row['content_identical']} |")
+    print(f"\n{sum(r['trials'] for r in table.values())} trials in {report['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
