@@ -15,7 +15,10 @@ and the current one; it uses only the ShardWriter / CacheReader API both have.
    one shard of 32,768 tokens in samples of 256..4,096 tokens: decoded hidden-state bytes per
    second of wall and of CPU time, reading whole samples in order and in shuffled order (the
    trainer's access, with its 256 MiB chunk cache), next to zstd's own decode rate on the same
-   stored frames and a memory copy of the same bytes: the limit and the ceiling.
+   stored frames (into one reused buffer: the limit; and into a new buffer per sample, as any
+   reader that returns new arrays must) and a memory copy of the same bytes (the ceiling).
+   glibc returns a freed buffer this large to the OS and page-faults the next one in; run with
+   MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 to keep them mapped.
 """
 
 from __future__ import annotations
@@ -203,12 +206,23 @@ def measure_read(root: Path, repeats: int) -> dict:
     zstd = Zstd()
     results["zstd_limit"] = dict(zip(("wall_GBps", "cpu_GBps"), max(
         (rate(raw, lambda: [zstd.decode(f, out=out) for f in frames]) for _ in range(repeats)), key=lambda r: r[0])))
+    per_sample = max(1, round(2176 / (raw_chunk / (TAPS * FLAGSHIP * 2))))  # frames in a mean-length sample
+
+    def fresh():  # what any reader returning new arrays pays: a new output buffer per sample
+        for i in range(0, len(frames), per_sample):
+            sample = np.empty(raw_chunk * len(frames[i:i + per_sample]), np.uint8)
+            for j, f in enumerate(frames[i:i + per_sample]):
+                zstd.decode(f, out=sample[j * raw_chunk:(j + 1) * raw_chunk])
+    results["zstd_fresh_output"] = dict(zip(("wall_GBps", "cpu_GBps"), max(
+        (rate(raw, fresh) for _ in range(repeats)), key=lambda r: r[0])))
     chunks = [np.frombuffer(np.random.default_rng(0).bytes(raw_chunk), np.uint8) for _ in range(8)]
     results["memcpy"] = dict(zip(("wall_GBps", "cpu_GBps"), max(
         (rate(raw, lambda: [np.copyto(out, chunks[i % 8]) for i in range(len(frames))]) for _ in range(repeats)),
         key=lambda r: r[0])))
     for key in ("sequential", "shuffled"):
         results[key]["of_zstd"] = results[key]["wall_GBps"] / results["zstd_limit"]["wall_GBps"]
+        results[key]["of_zstd_fresh_output"] = results[key]["wall_GBps"] / results["zstd_fresh_output"]["wall_GBps"]
+    results["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     return results
 
 

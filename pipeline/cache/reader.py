@@ -48,9 +48,10 @@ def expected_files(array, name: str) -> list[str]:
 class ShardReader:
     def __init__(self, path: Path, hidden_format: str, *, chunk_cache_bytes: int = 0,
                  expected: tuple[int, int] | None = None):
-        """`chunk_cache_bytes` > 0 keeps that many bytes of decoded inner chunks (least recently
-        used dropped first): a shuffled pass over a shard whose samples are smaller than a chunk
-        then decodes (and CRC-checks) each chunk once instead of once per sample."""
+        """`chunk_cache_bytes` > 0 keeps that many bytes of decoded inner chunks that a read
+        covered only partly (least recently used dropped first): a shuffled pass over a shard
+        then decodes (and CRC-checks) a chunk shared by neighbouring samples once, not once per
+        sample. Chunks a read covers whole are decoded straight into its output."""
         self.path = path
         self.hidden_format = hidden_format
         self.cache = ChunkCache(chunk_cache_bytes) if chunk_cache_bytes else None
