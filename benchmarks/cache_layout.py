@@ -18,7 +18,9 @@ and the current one; it uses only the ShardWriter / CacheReader API both have.
    stored frames (into one reused buffer: the limit; and into a new buffer per sample, as any
    reader that returns new arrays must) and a memory copy of the same bytes (the ceiling).
    glibc returns a freed buffer this large to the OS and page-faults the next one in; run with
-   MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 to keep them mapped.
+   MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483647, or with --as-train
+   (what `pipeline train` does in-process: pipeline.cache.sharded.keep_sample_buffers_mapped), to
+   keep them mapped.
 """
 
 from __future__ import annotations
@@ -232,8 +234,13 @@ def main() -> None:
     parser.add_argument("--skip-commit", action="store_true")
     parser.add_argument("--skip-read", action="store_true")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--as-train", action="store_true",
+                        help="read as `pipeline train` does: keep_sample_buffers_mapped() first (schema 2 tree only)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.as_train:
+        from pipeline.cache.sharded import keep_sample_buffers_mapped
+        print(f"keep_sample_buffers_mapped: {keep_sample_buffers_mapped()}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="dflash-layout-") as tmp:
         root = Path(tmp)
         result = {"tree": TREE, "files": measure_files(root)}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from pipeline.cache.files import write_json_atomic
 from pipeline.cache.manifest import describe_missing, missing_shards, read_manifest
 from pipeline.cache.reader import CacheReader
+from pipeline.cache.sharded import keep_sample_buffers_mapped
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.drafter.blocks import default_gamma
 from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
@@ -198,6 +199,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     """Train; returns a summary. `view` receives progress (None: silent)."""
     rank, world = init_distributed()
     device = pick_device()
+    keep_sample_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
     reader = CacheReader(cfg.cache)
     manifest = reader.manifest
     target_dir = resolve_target(cfg, manifest)
