@@ -169,3 +169,21 @@ def test_unknown_chunking_options_are_refused(tmp_path):
         run_extract(ExtractConfig(cache=str(tmp_path / "c"), num_shards=1, chunking={"hidden_chunk_kb": 4}), "0",
                     progress=False)
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_an_index_pointing_outside_its_file_is_refused_even_when_its_crc_matches(copy):
+    """The index is untrusted: an entry whose offset + size would wrap around 2^64 is refused."""
+    import google_crc32c
+
+    target = copy / "shard-00000" / "input_ids" / "c.0"
+    data = bytearray(target.read_bytes())
+    per_file = SMALL["small_chunks_per_file"]
+    start = len(data) - (per_file * 16 + 4)
+    index = np.frombuffer(bytes(data[start:-4]), "<u8").reshape(per_file, 2).copy()
+    index[0] = (2**64 - 2, 5)
+    data[start:-4] = index.tobytes()
+    data[-4:] = google_crc32c.value(bytes(data[start:-4])).to_bytes(4, "little")
+    target.write_bytes(bytes(data))
+    shard = CacheReader(copy).shard("shard-00000")
+    with pytest.raises(PipelineError, match=f"{target}: index points outside the file's data"):
+        shard.read("input_ids", int(shard.sample_ids[0]))

@@ -48,8 +48,8 @@ def assert_consistent(cache):
 
 
 def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
-    """32 trials: 4 at random hits of each of 7 failpoints (forward batch, sample encoded, chunk
-    compressed and written, shard fsynced, shard renamed, manifest temporary written, shard
+    """32 trials: 4 at random hits of each of 7 failpoints (forward batch, sample encoded, file
+    of chunks compressed and written, shard fsynced, shard renamed, manifest temporary written, shard
     listed) and 4 kills after a
     random delay; the writer runs inline in half of them and on its background thread in the
     other half."""

@@ -136,8 +136,9 @@ class ShardedArray:
                 raise PipelineError(f"{path}: index CRC32C mismatch")
             index = body.view("<u8").reshape(self.per_file, 2)
             written = index[:, 0] != _EMPTY
-            ends = index[written, 0] + index[written, 1]
-            if np.any(ends > size - index_bytes) or np.any(index[written, 1] < 4):
+            offsets, sizes = index[written, 0], index[written, 1]
+            data_end = size - index_bytes  # compared before adding, so no uint64 sum can wrap around
+            if np.any(offsets > data_end) or np.any(sizes > data_end - offsets) or np.any(sizes < 4):
                 raise PipelineError(f"{path}: index points outside the file's data")
             self._index[f] = (path, index)
         return self._index[f]
