@@ -111,7 +111,7 @@ def in_namespace(script: str, out: Path) -> None:
 def shard_digest(shard_dir: Path) -> str:
     """The digest of a shard as it is on disk, derived from its files' bytes."""
     from pipeline.cache.files import digest_of_files
-    from pipeline.cache.reader import hash_shard
+    from pipeline.cache.store import hash_shard
 
     return "sha256:" + digest_of_files(hash_shard(shard_dir))
 
@@ -122,11 +122,10 @@ def resign(cache: Path, name: str) -> None:
     import json
 
     from pipeline.cache.files import digest_of_files
-    from pipeline.cache.reader import hash_shard
+    from pipeline.cache.store import hash_shard, write_digests
 
     files = hash_shard(cache / name)
-    (cache / name / "digests.json").write_text(json.dumps(
-        {"files": {rel: {"bytes": size, "sha256": sha} for rel, (size, sha) in files.items()}}))
+    write_digests(cache / name, files)
     manifest = json.loads((cache / "manifest.json").read_text())
     manifest["shards"][name]["digest"] = "sha256:" + digest_of_files(files)
     (cache / "manifest.json").write_text(json.dumps(manifest))

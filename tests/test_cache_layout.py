@@ -14,7 +14,8 @@ from numcodecs import Zstd
 
 from extract_helpers import cli, shard_digest, write_rows
 from pipeline.cache.files import regular_files
-from pipeline.cache.reader import CacheReader, hash_shard, read_digests
+from pipeline.cache.reader import CacheReader
+from pipeline.cache.store import hash_shard, read_digests
 from pipeline.cache.schema import Chunking, array_specs, per_shard_files
 from pipeline.cache.sharded import frame_content_size
 from pipeline.config import ExtractConfig

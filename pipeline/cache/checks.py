@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import digest_of_files, hash_files
+from pipeline.cache.files import digest_of_files
 from pipeline.cache.manifest import shard_identity
-from pipeline.cache.reader import CacheReader, ShardReader, read_digests
+from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import DIGESTS, array_specs, inner_shape
+from pipeline.cache.store import hash_shard, read_digests
 from pipeline.errors import PipelineError
 
 WINDOW_TOKENS = 1 << 18  # about 70 MB of per-token arrays at top-k 32
@@ -112,7 +113,7 @@ def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Chec
         if not path.is_dir():
             continue  # reported by check_structure
         try:
-            on_disk = hash_files(path, [f for f in reader.files(name) if f != path / DIGESTS])
+            on_disk = hash_shard(path, reader.files(name))
             listed = read_digests(path)
         except PipelineError as e:
             bad.append(f"{name} ({e})")

@@ -7,7 +7,6 @@ decodes only the inner chunks that overlap it and verifies each one's CRC32C.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,28 +14,11 @@ import torch
 import zarr
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import hash_files, link_refused, regular_files
+from pipeline.cache.files import link_refused, regular_files
 from pipeline.cache.manifest import read_manifest
-from pipeline.cache.schema import DIGESTS, Chunking, array_specs, check_dims, file_key, shard_index, shard_name
+from pipeline.cache.schema import Chunking, array_specs, check_dims, file_key, shard_index, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.errors import PipelineError
-
-
-def read_digests(shard_dir: Path) -> dict[str, tuple[int, str]]:
-    """{relative path: (size, sha256)} as the writer recorded them in the shard's digests.json."""
-    path = shard_dir / DIGESTS
-    try:
-        listing = json.loads(path.read_text(encoding="utf-8"))["files"]
-        return {str(rel): (int(entry["bytes"]), str(entry["sha256"])) for rel, entry in listing.items()}
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: missing") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise PipelineError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-
-
-def hash_shard(shard_dir: Path) -> dict[str, tuple[int, str]]:
-    """{relative path: (size, sha256)} of every file of a shard but digests.json, read from disk."""
-    return hash_files(shard_dir, [f for f in regular_files(shard_dir) if f != shard_dir / DIGESTS])
 
 
 def expected_files(array, name: str) -> list[str]:

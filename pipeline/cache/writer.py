@@ -15,7 +15,6 @@ waits on compression or the disk unless the queue is full.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import queue
 import shutil
@@ -30,7 +29,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from pipeline.cache.files import describe_os_error, digest_of_files, fsync_dir
 from pipeline.cache.schema import (DIGESTS, FILE_KEY_SEPARATOR, Chunking, array_specs, inner_shape, shard_name,
                                    temp_shard_name)
-from pipeline.cache.store import DigestingStore
+from pipeline.cache.store import DigestingStore, write_digests
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 
@@ -140,13 +139,12 @@ class ShardWriter:
         }
         self.group.attrs.update({"shard": shard_name(self.index), **record})
         files = dict(self.store.written)
-        listing = {"files": {rel: {"bytes": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())}}
-        (self.tmp / DIGESTS).write_text(json.dumps(listing, indent=1) + "\n", encoding="utf-8")
+        listing = write_digests(self.tmp, files)
         synced = time.perf_counter()
         self._fsync([*files, DIGESTS])
         self.fsync_seconds = time.perf_counter() - synced  # most of a commit: the disk catching up
         failpoint("writer.fsynced")
-        record["bytes"] = sum(size for size, _ in files.values()) + (self.tmp / DIGESTS).stat().st_size
+        record["bytes"] = sum(size for size, _ in files.values()) + listing.stat().st_size
         record["files"] = len(files) + 1
         record["digest"] = "sha256:" + digest_of_files(files)
         final = self.cache_dir / shard_name(self.index)
