@@ -169,6 +169,27 @@ def stored_frames(shard_dir: Path) -> list[bytes]:
     return frames
 
 
+def synthetic_manifest(hidden: int):
+    """A manifest for shards written by `write_shard` (no target ran: its identity is made up)."""
+    from pipeline.cache.manifest import SourcesRecord, new_manifest, parse_identity
+
+    made_up = "synthetic (benchmarks/cache_layout.py)"
+    identity = parse_identity({
+        "num_shards": 1,
+        "target": {"model_type": made_up, "config_sha256": made_up, "num_hidden_layers": 64, "weights": {}},
+        "tokenizer": {"files_sha256": made_up, "chat_template_sha256": made_up, "chat_template_kwargs": None,
+                      "thinking": "on", "generation_prompt": "", "reasoning": "keep", "boundary_tokens": made_up,
+                      "end_of_turn": "<|im_end|>"},
+        "data": {"num_rows": 0, "files": [], "generated_by": made_up},
+        "capture": {"target_layer_ids": list(range(TAPS)), "tap_convention": made_up, "num_hidden_layers": 64,
+                    "hidden_size": hidden, "vocab_size": 248_320, "top_k": TOP_K, "hidden_format": "bf16",
+                    "stored_dtype": made_up, "compute_dtype": "bfloat16", "max_length": 1 << 20, "overlong": "error",
+                    "on_error": "fail", "zstd_level": 3, "checksum": made_up,
+                    "storage": schema.Chunking().record()}})
+    plan = {"assignment": made_up, "num_rows": 0, "num_shards": 1, "storage": {}}
+    return new_manifest(identity=identity, provenance={}, plan=plan, sources=SourcesRecord())
+
+
 def measure_read(root: Path, repeats: int) -> dict:
     from numcodecs import Zstd
 
@@ -180,14 +201,9 @@ def measure_read(root: Path, repeats: int) -> dict:
     record, _, _ = write_shard(cache, 0, tokens, FLAGSHIP, block)
     record.pop("_fsync_s")
     writer_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    from pipeline.cache.manifest import new_manifest
     from pipeline.cache.files import write_json_atomic
-    manifest = new_manifest(config={"capture": {"target_layer_ids": list(range(TAPS)), "hidden_size": FLAGSHIP,
-                                                "top_k": TOP_K, "vocab_size": 248_320, "hidden_format": "bf16",
-                                                "storage": {"options": {}}}},
-                            provenance={}, plan={})
-    manifest["shards"]["shard-00000"] = record
-    write_json_atomic(cache / "manifest.json", manifest)
+    manifest = synthetic_manifest(FLAGSHIP).with_shard("shard-00000", record)
+    write_json_atomic(cache / "manifest.json", manifest.to_json())
     reader = CacheReader(cache)
     ids = [int(s) for s in reader.shard(0).sample_ids]
     raw = tokens * TAPS * FLAGSHIP * 2

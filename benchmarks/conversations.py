@@ -111,7 +111,7 @@ def main() -> None:
     shard = reader.shard(reader.shards[0])
     per_row = [{"sample_id": int(sid), "tokens": int(len(shard.read("loss_mask", int(sid)))),
                 "supervised": int(shard.read("loss_mask", int(sid)).sum())} for sid in shard.sample_ids]
-    counts = reader.manifest["shards"][reader.shards[0]]["counts"]
+    counts = reader.manifest.shards[reader.shards[0]].counts
     result = {"template": args.template.name, "rows": args.rows, "samples": summary["samples"],
               "supervised_tokens": counts["supervised_tokens"], "reasoning_tokens": counts["reasoning_tokens"],
               "tool_call_tokens": counts["tool_call_tokens"], "reasoning_share": summary["reasoning_share"],

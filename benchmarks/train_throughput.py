@@ -38,7 +38,7 @@ from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import weighted_ce
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.drafter.stream import SampleStream, StreamState
-from pipeline.target import read_target_facts
+from pipeline.target import read_target_facts, resolve_target
 from stages.extract import run_extract
 from pipeline.drafter.step import StepRunner
 from stages.train import (
@@ -46,23 +46,22 @@ from stages.train import (
     frozen_target_modules,
     make_plan,
     resolve_config,
-    resolve_target,
 )
 
 
 def setup(cache: Path):
     cfg, _ = resolve_config(None, {"cache": str(cache), "out": str(cache.parent / "run")})
     reader = CacheReader(cache)
-    target = resolve_target(cfg, reader.manifest)
+    target = resolve_target(cfg.target, reader.manifest.recorded_target())
     facts = read_target_facts(target)
-    config = drafter_config(cfg, facts, target, reader.manifest["config"]["capture"]["target_layer_ids"])
+    config = drafter_config(cfg, facts, target, reader.manifest.identity.capture.target_layer_ids)
     embed, head = frozen_target_modules(target)
     torch.manual_seed(0)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
-    plan = make_plan(cfg, sum(reader.manifest["shards"][s]["samples"] for s in reader.shards), 1)
+    plan = make_plan(cfg, sum(reader.manifest.shards[s].samples for s in reader.shards), 1)
     runner = StepRunner(cfg, plan, drafter, optimizer, params, device, 0, 1, gamma=cfg.gamma)
     return cfg, reader, runner
 
@@ -91,7 +90,7 @@ def per_anchor_step(runner, batch, cfg) -> float:
         for j in range(len(block_ids)):
             a = int(block_pos[j, 0])
             d = runner.device
-            logits = drafter(seq.taps[None, :a].to(d), block_ids[j][None].to(d), block_pos[j][None].to(d),
+            logits = drafter(seq.hidden[None, :a].to(d), block_ids[j][None].to(d), block_pos[j][None].to(d),
                              torch.ones(1, b, a + b, dtype=torch.bool, device=d))
             parts.append(weighted_ce(logits.view(1, b, -1), seq.labels[j:j + 1].to(d), seq.weights[j:j + 1].to(d))
                          * seq.weights[j].sum())
@@ -163,7 +162,7 @@ def main() -> None:
                 rows[f"trainer_stream_{name}_tok_s"].append(count / seconds)
         med = {k: statistics.median(v) for k, v in rows.items()}
         result = {
-            "cache_samples": sum(reader.manifest["shards"][s]["samples"] for s in reader.shards),
+            "cache_samples": sum(reader.manifest.shards[s].samples for s in reader.shards),
             "batch_sequences": cfg.batch_sequences, "micro_batch_sequences": cfg.micro_batch_sequences,
             "anchors_per_step": statistics.mean(map(anchors, batches)), "tokens_per_step": statistics.mean(map(tokens, batches)),
             "threads": torch.get_num_threads(), "rounds": args.rounds, "steps": args.steps,

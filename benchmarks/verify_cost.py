@@ -39,7 +39,7 @@ from stages.verify import run_verify  # noqa: E402
 def tail_vs_full(cache: Path, rounds: int = 3) -> dict:
     model = load_model(TARGET_DIR)
     reader = CacheReader(cache)
-    taps = reader.manifest["config"]["capture"]["target_layer_ids"]
+    taps = reader.manifest.identity.capture.target_layer_ids
     deepest, k = max(taps), taps.index(max(taps))
     samples = []
     for name in reader.shards:
@@ -63,7 +63,7 @@ def tail_vs_full(cache: Path, rounds: int = 3) -> dict:
                 model.model(input_ids=x, use_cache=False)
             times["full"].append(time.perf_counter() - start)
     tail, full = statistics.median(times["tail"]), statistics.median(times["full"])
-    layers = reader.manifest["config"]["capture"]["num_hidden_layers"]
+    layers = reader.manifest.identity.capture.num_hidden_layers
     return {"tail_s": tail, "full_s": full, "tail_over_full": tail / full, "rounds": times,
             "layers_in_tail": layers - 1 - deepest, "num_hidden_layers": layers}
 

@@ -40,13 +40,13 @@ class Capture:
         finally:
             for h in hooks:
                 h.remove()
-        taps_BTNH = torch.stack([captured[t] for t in self.taps], dim=2)
+        hidden_BTNH = torch.stack([captured[t] for t in self.taps], dim=2)
 
         out = []
         for row, sample in enumerate(batch):
             n = len(sample)
             stats = self._prediction_stats(last[row, :n])
-            out.append({"hidden": taps_BTNH[row, :n].cpu(), **{k: v.cpu() for k, v in stats.items()}})
+            out.append({"hidden": hidden_BTNH[row, :n].cpu(), **{k: v.cpu() for k, v in stats.items()}})
         return out
 
     @staticmethod

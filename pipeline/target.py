@@ -67,6 +67,73 @@ def read_target_facts(path: str | Path) -> TargetFacts:
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
+def chat_template_sha256(tokenizer) -> str:
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+
+
+def config_sha256(path: Path) -> str | None:
+    """sha256 of a directory's config.json, None if it has none."""
+    config = Path(path) / "config.json"
+    return hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
+
+
+# --------------------------------------------------------------------------- which target
+
+
+@dataclass(frozen=True)
+class RecordedTarget:
+    """The target a cache or a training run recorded: where it was and which config it had."""
+    path: str | None
+    config_sha256: str | None
+    source: str  # what recorded it, for messages ("the cache manifest", "RUN/run.json")
+
+
+def resolve_target(option: str | Path | None, recorded: RecordedTarget | None = None) -> Path:
+    """The one place that decides which target directory a command uses:
+    1. the option (--target DIR, or "embedded"), which must be a model directory;
+    2. else the directory recorded by the cache or run, if its config.json is the recorded one;
+    3. else, if the recorded directory is gone, the embedded target when it is the recorded model by
+       config digest (a moved install).
+    Never a different model: anything else is one error naming what was recorded."""
+    from pipeline.config import EMBEDDED
+    from pipeline.embedded import TARGET_DIR
+
+    if option:
+        path = TARGET_DIR if str(option) == EMBEDDED else Path(option)
+        read_target_facts(path)  # a clear error if it is not a model directory
+        return path
+    if recorded is None or (recorded.path is None and recorded.config_sha256 is None):
+        raise PipelineError("no target given and none recorded: pass --target DIR")
+    at_recorded = Path(recorded.path) if recorded.path else None
+    found = config_sha256(at_recorded) if at_recorded else None
+    if found is not None and recorded.config_sha256 in (None, found):
+        return at_recorded
+    if found is None and recorded.config_sha256 is not None and config_sha256(TARGET_DIR) == recorded.config_sha256:
+        return TARGET_DIR
+    state = "is not there" if found is None else "is not the recorded model (its config.json differs)"
+    raise PipelineError(f"the target recorded in {recorded.source} ({recorded.path}) {state}; pass --target DIR")
+
+
+def identity_claims(target_dir: Path, *, tokenizer=None, weights: bool = False, config: bool = True) -> dict:
+    """What a target directory says about the cache identity fields it decides (dotted paths of
+    `pipeline.cache.manifest.Identity`): compared with a cache to prove it is the target the cache
+    was extracted with. `weights` hashes the weight files (or their headers, when large); `config`
+    False leaves config.json's digest out (training needs the same weights, not the same bytes)."""
+    from pipeline.provenance import tokenizer_digest, weight_digests
+
+    facts = read_target_facts(target_dir)
+    claims = {"target.config_sha256": facts.config_sha256, "capture.hidden_size": facts.hidden_size,
+              "capture.vocab_size": facts.vocab_size, "capture.num_hidden_layers": facts.num_hidden_layers,
+              "tokenizer.files_sha256": tokenizer_digest(target_dir)}
+    if not config:
+        del claims["target.config_sha256"]
+    if tokenizer is not None:
+        claims["tokenizer.chat_template_sha256"] = chat_template_sha256(tokenizer)
+    if weights:
+        claims["target.weights.files"] = weight_digests(target_dir)["files"]
+    return claims
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 

@@ -42,8 +42,8 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print) -> dic
     run_extract(ExtractConfig(cache=str(out / "cache"), data=[data], num_shards=plan["shards"]), None, progress=progress)
     timings["extract_s"] = time.perf_counter() - start
     manifest = read_manifest(out / "cache")
-    tokens = sum(r["tokens"] for r in manifest["shards"].values())
-    stored = sum(r["bytes"] for r in manifest["shards"].values())
+    tokens = sum(r.tokens for r in manifest.shards.values())
+    stored = sum(r.bytes for r in manifest.shards.values())
 
     say("[2/5] verify-cache")
     start = time.perf_counter()
@@ -79,7 +79,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print) -> dic
     summary = {
         "out": str(out),
         "cache": {"path": str(out / "cache"), "tokens": tokens, "bytes": stored, "bytes_per_token": stored / max(tokens, 1),
-                  "shards": len(manifest["shards"])},
+                  "shards": len(manifest.shards)},
         "verify": {"passed": verified["passed"], "failed_checks": failed},
         "train": {"steps": trained["steps"], **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
                                                                            "ddtree_streak8")},

@@ -20,24 +20,26 @@ from pipeline.drafter.export import load_drafter
 from pipeline.errors import PipelineError
 from pipeline.speculative.decode import Decoded, block_decode, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
-from pipeline.target import load_model, load_tokenizer, read_target_facts
+from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
 
 
-def resolve_drafter(path: Path) -> tuple[Path, Path | None]:
-    """(drafter export dir, the target its run recorded): accepts RUN/ or RUN/drafter/."""
+def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
+    """(drafter export dir, the target its training run recorded): accepts RUN/ or RUN/drafter/."""
     path = Path(path)
     if (path / "drafter" / "config.json").is_file():
         path = path / "drafter"
     if not (path / "config.json").is_file():
         raise PipelineError(f"{path}: not a drafter export (no config.json); pass the run directory or its drafter/")
     run = path.parent / "run.json"
-    target = None
+    recorded = None
     if run.is_file():
         try:
-            target = Path(json.loads(run.read_text())["target"])
-        except (KeyError, json.JSONDecodeError):
-            target = None
-    return path, target
+            record = json.loads(run.read_text())
+            recorded = RecordedTarget(path=record["target"], config_sha256=record.get("target_config_sha256"),
+                                      source=str(run))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
+            raise PipelineError(f"{run}: not a training run record (no 'target')") from None
+    return path, recorded
 
 
 def read_prompts(path: Path, tokenizer, limit: int | None) -> list[dict]:
@@ -142,11 +144,11 @@ def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None) -> dict:
-    from pipeline.embedded import HELDOUT_DATA, TARGET_DIR
+    from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
-    target_dir = Path(target) if target else (recorded if recorded and (recorded / "config.json").is_file() else TARGET_DIR)
+    target_dir = resolve_target(target, recorded)
     facts = read_target_facts(target_dir)
     embed, head = frozen_target_modules(target_dir)
     drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).eval()

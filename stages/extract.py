@@ -19,7 +19,7 @@ import torch
 
 from pipeline.cache.encoding import encode_bf16, encode_fp8
 from pipeline.cache.files import FileLock
-from pipeline.cache.manifest import config_conflicts, new_manifest, read_manifest, shard_identity, update_manifest
+from pipeline.cache.manifest import Identity, SourcesRecord, new_manifest, parse_identity, read_manifest, update_manifest
 from pipeline.cache.schema import SCHEMA_VERSION, Chunking, shard_lock_name, shard_name
 from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
@@ -39,15 +39,8 @@ from pipeline.provenance import (
     weight_digests,
 )
 from pipeline.taps import TAP_CONVENTION, default_taps, validate_taps
-from pipeline.target import load_model, load_tokenizer, read_target_facts
+from pipeline.target import chat_template_sha256, load_model, load_tokenizer, read_target_facts, resolve_target
 from pipeline.ui import ProgressBar
-
-
-def resolve_target(target: str) -> Path:
-    if target == EMBEDDED:
-        from pipeline.embedded import TARGET_DIR
-        return TARGET_DIR
-    return Path(target)
 
 
 def resolve_data(data: list[str]) -> list[Path]:
@@ -98,16 +91,14 @@ def scan_dataset(paths: list[Path], on_error: str, masker: ConversationMasker) -
 
 
 def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationPrompt, target_dir: Path, taps: list[int], dataset: dict,
-                    compute_dtype: str) -> dict:
+                    compute_dtype: str) -> Identity:
     """Everything that decides the cache's content; a later invocation must match it exactly."""
-    import hashlib
-    template = tokenizer.chat_template or ""
-    return {
+    return parse_identity({
         "num_shards": cfg.num_shards,
         "target": {"model_type": facts.model_type, "config_sha256": facts.config_sha256,
                    "num_hidden_layers": facts.num_hidden_layers, "weights": weight_digests(target_dir)},
         "tokenizer": {"files_sha256": tokenizer_digest(target_dir),
-                      "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+                      "chat_template_sha256": chat_template_sha256(tokenizer),
                       "chat_template_kwargs": cfg.chat_template_kwargs,
                       "thinking": "on" if prompt.thinking else "off",
                       "generation_prompt": prompt.header + prompt.supplied,
@@ -122,7 +113,7 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationP
                     "compute_dtype": compute_dtype, "max_length": cfg.max_length, "overlong": cfg.overlong,
                     "on_error": cfg.on_error, "zstd_level": cfg.zstd_level, "checksum": "crc32c per inner chunk",
                     "storage": chunking(cfg).record()},
-    }
+    })
 
 
 def chunking(cfg: ExtractConfig) -> Chunking:
@@ -264,11 +255,9 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
 
     def init(manifest):
         if manifest is None:
-            m = new_manifest(config=identity, provenance=environment(), plan=plan)
-            m["sources"] = {"target": str(target_dir), "data": [str(p) for p in paths]}
-            m["resolved_config"] = asdict(cfg)
-            return m
-        conflicts = config_conflicts(manifest["config"], identity)
+            return new_manifest(identity=identity, provenance=environment(), plan=plan, resolved_config=asdict(cfg),
+                                sources=SourcesRecord(target=str(target_dir), data=[str(p) for p in paths]))
+        conflicts = [d.arrow() for d in manifest.identity.differences(identity.flat(), complete=True)]
         if conflicts:
             shown = "; ".join(conflicts[:4]) + (f"; and {len(conflicts) - 4} more" if len(conflicts) > 4 else "")
             raise PipelineError(f"{cache_dir}: was created with a different configuration ({shown}); "
@@ -279,7 +268,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         update_manifest(cache_dir, init)
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
     run = _ShardRun(cfg=cfg, paths=paths, masker=masker, facts=facts, taps=taps, model=model, layout=layout,
-                    cache_dir=cache_dir, tp_plan=tp_plan, identity=shard_identity(identity), index=dataset["index"],
+                    cache_dir=cache_dir, tp_plan=tp_plan, identity=identity.shard_identity(), index=dataset["index"],
                     capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
     bar = ProgressBar("extract", "samples", enabled=progress and layout.rank == 0,
@@ -335,13 +324,13 @@ def _claim(cache_dir: Path, shard: int, layout: Layout) -> tuple[str, FileLock |
     state, lock = "write", None
     if layout.is_writer:
         name = shard_name(shard)
-        if name in read_manifest(cache_dir)["shards"]:
+        if name in read_manifest(cache_dir).shards:
             state = "committed"
         else:
             lock = FileLock(cache_dir / shard_lock_name(shard))
             if not lock.acquire(blocking=False):
                 state, lock = "locked", None
-            elif name in read_manifest(cache_dir)["shards"]:
+            elif name in read_manifest(cache_dir).shards:
                 lock.release()  # another process finished it between our two looks
                 state, lock = "committed", None
     return layout.broadcast_from_writer(state), lock
@@ -398,7 +387,7 @@ class _ShardRun:
             record = writer.commit()
             name = shard_name(shard)
             try:
-                update_manifest(self.cache_dir, lambda m: {**m, "shards": {**m["shards"], name: record}})
+                update_manifest(self.cache_dir, lambda m: m.with_shard(name, record))
             except PipelineError as e:
                 raise PipelineError(f"{name}: written but not listed, so not committed: {e}; make room, then "
                                     "re-run the same command to resume") from None

@@ -25,20 +25,19 @@ import torch
 import torch.distributed as dist
 
 from pipeline.cache.files import write_json_atomic
-from pipeline.cache.manifest import describe_missing, missing_shards, read_manifest
+from pipeline.cache.manifest import Manifest, describe_missing, read_manifest
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sharded import keep_sample_buffers_mapped
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.drafter.blocks import default_gamma
 from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
-from pipeline.drafter.compat import check_compatible, kernel_paths
+from pipeline.drafter.compat import PRESET_FIELDS, check_compatible, kernel_paths
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.drafter.step import StepRunner, all_sum, autocast_dtype
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.errors import PipelineError
-from pipeline.provenance import tokenizer_digest, weight_digests
-from pipeline.target import TargetFacts, read_target_facts
+from pipeline.target import TargetFacts, identity_claims, read_target_facts, resolve_target
 
 # Options that may change between a checkpoint and its resume without changing the result
 # (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
@@ -56,10 +55,9 @@ def match_preset(cache: str | Path) -> str | None:
     manifest = read_manifest(Path(cache))
     if manifest is None:
         return None
-    capture = manifest["config"]["capture"]
     for name in preset_names():
         target = load_preset(name).get("target", {})
-        if all(target.get(k) == capture[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")):
+        if not manifest.identity.differences({f"capture.{k}": target.get(k) for k in PRESET_FIELDS}):
             return name
     return None
 
@@ -78,25 +76,6 @@ def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dic
         base.update(preset.get("drafter", {}))
         base["preset"] = name
     return load_config(TrainConfig, path, overrides, section="train", base=base), preset_target
-
-
-def resolve_target(cfg: TrainConfig, manifest: dict) -> Path:
-    """--target, else the directory the cache recorded; the embedded target if the recorded
-    path is gone (a moved install) but the embedded target is the one the cache was made from."""
-    from pipeline.embedded import TARGET_DIR
-
-    if cfg.target:
-        path = TARGET_DIR if cfg.target == "embedded" else Path(cfg.target)
-        if not (path / "config.json").is_file():
-            raise PipelineError(f"{path}: not a target model directory (no config.json)")
-        return path
-    recorded = manifest.get("sources", {}).get("target")
-    if recorded and (Path(recorded) / "config.json").is_file():
-        return Path(recorded)
-    if read_target_facts(TARGET_DIR).config_sha256 == manifest["config"]["target"].get("config_sha256"):
-        return TARGET_DIR
-    raise PipelineError(f"the target the cache was extracted with ({recorded}) is not there; pass --target DIR "
-                        "(its embedding and lm_head are needed)")
 
 
 def frozen_target_modules(target_dir: Path) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
@@ -148,10 +127,11 @@ def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps:
         rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0))
 
 
-def cache_identity(manifest: dict) -> dict:
+def cache_identity(manifest: Manifest) -> dict:
     """What a checkpoint remembers of its cache: a resume on different data is refused."""
-    return {"capture": manifest["config"]["capture"], "data": manifest["config"]["data"],
-            "shards": {name: rec["digest"] for name, rec in sorted(manifest["shards"].items())}}
+    recorded = manifest.to_json()["config"]
+    return {"capture": recorded["capture"], "data": recorded["data"],
+            "shards": {name: rec.digest for name, rec in sorted(manifest.shards.items())}}
 
 
 # --------------------------------------------------------------------------- the run
@@ -202,27 +182,27 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     keep_sample_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
     reader = CacheReader(cfg.cache)
     manifest = reader.manifest
-    target_dir = resolve_target(cfg, manifest)
+    target_dir = resolve_target(cfg.target, manifest.recorded_target())
     facts = read_target_facts(target_dir)
-    check_compatible(manifest, facts=facts, tokenizer_sha256=tokenizer_digest(target_dir),
-                     weights=weight_digests(target_dir), taps=cfg.target_layer_ids, preset_target=preset_target,
-                     preset_name=cfg.preset, allow_mixed_provenance=cfg.allow_mixed_provenance,
-                     warn=warn if rank == 0 else (lambda *_: None))
-    incomplete = missing_shards(manifest)
+    # The weights decide the frozen embedding and lm_head; config.json may be re-saved, so it is not compared.
+    check_compatible(manifest, target=str(target_dir), target_claims=identity_claims(target_dir, weights=True, config=False),
+                     taps=cfg.target_layer_ids, preset_target=preset_target, preset_name=cfg.preset,
+                     allow_mixed_provenance=cfg.allow_mixed_provenance, warn=warn if rank == 0 else (lambda *_: None))
+    incomplete = manifest.missing_shards()
     if incomplete["missing"]:
         if not cfg.allow_incomplete_cache:
             raise PipelineError(f"{cfg.cache}: incomplete cache: {describe_missing(incomplete)}; finish the "
                                 "extraction, or pass --allow-incomplete-cache to train on what is there")
         if rank == 0:
             warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
-    taps = list(manifest["config"]["capture"]["target_layer_ids"])
+    taps = list(manifest.identity.capture.target_layer_ids)
     config = drafter_config(cfg, facts, target_dir, taps)
     embed, head = frozen_target_modules(target_dir)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    plan = make_plan(cfg, sum(manifest["shards"][s]["samples"] for s in reader.shards), world)
+    plan = make_plan(cfg, sum(manifest.shards[s].samples for s in reader.shards), world)
     out = Path(cfg.out)
     identity = cache_identity(manifest)
 
@@ -241,7 +221,8 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         out.mkdir(parents=True, exist_ok=True)
         _trim_log(out / "train_log.jsonl", step)
         write_json_atomic(out / "run.json", {
-            "config": asdict(cfg), "target": str(target_dir), "cache": str(Path(cfg.cache).resolve()),
+            "config": asdict(cfg), "target": str(target_dir), "target_config_sha256": facts.config_sha256,
+            "cache": str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
             "incomplete_cache": incomplete if incomplete["missing"] else None,

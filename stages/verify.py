@@ -9,7 +9,6 @@ sample and the stratified `--recompute N` (pipeline/cache/model_checks.py), on a
 
 from __future__ import annotations
 
-import hashlib
 import resource
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pipeline.cache.checks import (
     open_cache,
     sound_shards,
 )
-from pipeline.cache.manifest import describe_missing, missing_shards
+from pipeline.cache.manifest import describe_missing
 from pipeline.cache.model_checks import check_recompute, check_tail, stratified_picks
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sample_checks import check_loss_masks, check_mask_boundaries
@@ -35,50 +34,32 @@ from pipeline.cache.schema import shard_name
 from pipeline.data.loss_mask import token_kinds
 from pipeline.data.shard_plan import parse_shards
 from pipeline.errors import PipelineError
-from pipeline.provenance import tokenizer_digest
-from pipeline.target import load_model, load_tokenizer, read_target_facts
+from pipeline.target import identity_claims, load_model, load_tokenizer, resolve_target
 from pipeline.ui import ProgressBar
 
 
 def select_shards(reader: CacheReader, spec: str | None) -> list[str]:
     if spec is None:
         return reader.shards
-    wanted = {shard_name(i) for i in parse_shards(spec, reader.manifest["config"]["num_shards"])}
+    wanted = {shard_name(i) for i in parse_shards(spec, reader.manifest.identity.num_shards)}
     return [s for s in reader.shards if s in wanted]
 
 
 def check_completeness(reader: CacheReader, spec: str | None) -> Check:
     """Every one of the cache's num_shards (or of --shards) is committed."""
-    wanted = None if spec is None else parse_shards(spec, reader.manifest["config"]["num_shards"])
-    found = missing_shards(reader.manifest, wanted)
+    wanted = None if spec is None else parse_shards(spec, reader.manifest.identity.num_shards)
+    found = reader.manifest.missing_shards(wanted)
     if not found["missing"]:
         return Check("completeness", True, f"all {found['checked']} shards committed", found)
     return Check("completeness", False, describe_missing(found) + "; extract the missing shards (same command)", found)
 
 
-def resolve_recorded_target(reader: CacheReader, target: Path | None) -> Path | None:
-    if target is not None:
-        return target
-    recorded = reader.manifest.get("sources", {}).get("target")
-    return Path(recorded) if recorded and Path(recorded).is_dir() else None
-
-
 def check_target_identity(reader: CacheReader, target_dir: Path, tokenizer) -> Check:
-    facts = read_target_facts(target_dir)
-    config = reader.manifest["config"]
-    template = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
-    problems = []
-    if facts.config_sha256 != config["target"]["config_sha256"]:
-        problems.append("config.json differs from the one the cache was made with")
-    if tokenizer_digest(target_dir) != config["tokenizer"]["files_sha256"]:
-        problems.append("tokenizer files differ")
-    if template != config["tokenizer"]["chat_template_sha256"]:
-        problems.append("chat template differs")
-    cap = config["capture"]
-    if (facts.hidden_size, facts.vocab_size, facts.num_hidden_layers) != (cap["hidden_size"], cap["vocab_size"], cap["num_hidden_layers"]):
-        problems.append("hidden size, vocab or layer count differs")
+    """The target is the one the cache was extracted with: config, tokenizer, chat template, sizes."""
+    differences = reader.manifest.identity.differences(identity_claims(target_dir, tokenizer=tokenizer))
+    problems = [d.versus("cache", "target") for d in differences]
     return Check("target_identity", not problems, f"{target_dir}: " + ("; ".join(problems) if problems else "config, tokenizer and chat template match the manifest"),
-                 {"problems": problems})
+                 {"problems": problems, "fields": [d.field for d in differences]})
 
 
 def compute_placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -112,7 +93,7 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
             raise
         return {"cache": str(cache_dir), "passed": False, "checks": [Check("manifest", False, str(e)).record()]}
     selected = select_shards(reader, shards)
-    checks = [Check("manifest", True, f"schema {reader.manifest['schema_version']}, {len(reader.shards)} committed shards, "
+    checks = [Check("manifest", True, f"schema {reader.manifest.schema_version}, {len(reader.shards)} committed shards, "
                                       f"{len(selected)} selected")]
     checks.append(check_completeness(reader, shards))
     checks.append(check_structure(reader, selected))
@@ -121,9 +102,13 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
         checks.extend(check_chunks(reader, selected, sample_rate, seed, lambda: bar.advance(1)))
     checks.extend(check_alignment(reader, selected))
     checks.append(check_provenance(reader, selected))
-    target_dir = resolve_recorded_target(reader, target)
-    if recompute and target_dir is None:
-        raise PipelineError("--recompute needs --target: the target recorded in the manifest is not readable here")
+    target_dir, no_target = None, None
+    try:
+        target_dir = resolve_target(target, reader.manifest.recorded_target())
+    except PipelineError as e:
+        if recompute or target is not None:
+            raise PipelineError(f"--recompute needs the target: {e}" if target is None else str(e)) from None
+        no_target = str(e)
     # Content checks read samples; a shard whose declared shapes disagree with the manifest is
     # reported by the structure check above and not read further.
     present = [name for name, _ in sound_shards(reader, selected)]
@@ -144,9 +129,11 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
                     tol *= 4  # the recompute itself rounds to bf16 (not yet measured on a GPU)
                 checks.append(check_recompute(reader, stratified_picks(reader, present, recompute, seed + 1), model, tol))
     else:
-        checks.append(Check("loss_mask", True, "skipped: no target to take the tokenizer and chat template from", skipped=True))
+        reason = no_target or "no committed shard to check"
+        checks.append(Check("loss_mask", True, f"skipped: no target to take the tokenizer and chat template from ({reason})",
+                            skipped=True))
     seconds = time.perf_counter() - start
-    tokens = sum(reader.manifest["shards"][s]["tokens"] for s in selected)
+    tokens = sum(reader.manifest.shards[s].tokens for s in selected)
     return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "compute": compute,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -163,15 +150,16 @@ def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
 
     reader = open_cache(cache_dir)
     shard = reader.find(sample_id)
-    target_dir = resolve_recorded_target(reader, target)
-    if target_dir is None:
-        raise PipelineError("--show needs the target's tokenizer: pass --target")
+    try:
+        target_dir = resolve_target(target, reader.manifest.recorded_target())
+    except PipelineError as e:
+        raise PipelineError(f"--show needs the target's tokenizer: {e}") from None
     tokenizer = load_tokenizer(target_dir)
     ids, mask = shard.read("input_ids", sample_id).tolist(), shard.read("loss_mask", sample_id).tolist()
     pieces = [tokenizer.decode([token]) for token in ids]
     ends = np.cumsum([len(p) for p in pieces])
     offsets = np.stack([ends - [len(p) for p in pieces], ends], axis=1) if pieces else np.zeros((0, 2), dtype=np.int64)
-    kinds = token_kinds("".join(pieces), offsets, mask, reader.manifest["config"]["tokenizer"]["end_of_turn"])
+    kinds = token_kinds("".join(pieces), offsets, mask, reader.manifest.identity.tokenizer.end_of_turn)
     text = Text()
     for piece, kind in zip(pieces, kinds):
         text.append(piece, style=SPAN_STYLES[kind])

@@ -21,6 +21,11 @@ REPO = Path(__file__).resolve().parent.parent
 ARRAYS = ("input_ids", "loss_mask", "target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp")
 
 
+def manifest_json(cache: Path) -> dict:
+    """The manifest as stored on disk (read without the tool's own parser)."""
+    return json.loads((Path(cache) / "manifest.json").read_text())
+
+
 def write_rows(path: Path, rows: list[dict]) -> Path:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from extract_helpers import REPO, cli, write_rows
+from extract_helpers import REPO, cli, manifest_json, write_rows
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
@@ -208,7 +208,7 @@ def test_stored_mask_equals_the_oracle(tmp_path, targets, template, mode, varian
         end_id = tokenizer.convert_tokens_to_ids(END)
         assert sum(m for i, m in zip(got_ids, got_mask) if i == end_id) == \
             sum(msg["role"] == "assistant" for msg in SHAPES[shape])
-    counts = reader.manifest["shards"][reader.shards[0]]["counts"]
+    counts = manifest_json(reader.dir)["shards"][reader.shards[0]]["counts"]
     assert counts["rows_with_tool_calls"] == len(TOOL_SHAPES & set(stored))
     assert counts["rows_with_tool_replies"] == len({"tool_reply_answer", "tool_then_question", "tool_with_reasoning"} & set(stored))
     assert counts["rows_with_reasoning"] == len(REASONING_SHAPES & set(stored))
@@ -284,11 +284,11 @@ def test_reasoning_share_and_sources_in_the_manifest(tmp_path, targets):
                 turn = []
                 continue
             turn.append(i)
-    counts = reader.manifest["shards"][reader.shards[0]]["counts"]
+    counts = manifest_json(reader.dir)["shards"][reader.shards[0]]["counts"]
     assert counts["reasoning_tokens"] == want_reasoning > 0
     assert summary["reasoning_share"] == pytest.approx(want_reasoning / counts["supervised_tokens"])
     assert counts["generated_by"] == {"the target, greedy": 1, "hand-written": 2}
-    assert reader.manifest["config"]["tokenizer"]["thinking"] == "on"
+    assert manifest_json(reader.dir)["config"]["tokenizer"]["thinking"] == "on"
 
 
 def test_reasoning_with_thinking_off_is_one_line_from_the_cli(tmp_path, targets):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import REPO, cli, file_size_limit, in_namespace, needs_tmpfs, small_cache, torchrun
+from extract_helpers import REPO, cli, file_size_limit, manifest_json, in_namespace, needs_tmpfs, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.drafter.checkpoint import list_checkpoints
@@ -92,7 +92,7 @@ def test_offline_loss_and_gradients_equal_online(cache, target, embedded):
     """The cache is a faithful substitute for the live target: same samples, same anchors, same
     drafter; the loss and every gradient agree within bf16 storage tolerance."""
     reader = CacheReader(cache)
-    taps = reader.manifest["config"]["capture"]["target_layer_ids"]
+    taps = manifest_json(cache)["config"]["capture"]["target_layer_ids"]
     shard = reader.shard(reader.shards[1])
     sids = [int(s) for s in shard.sample_ids[:6]]
     cached = [shard.sample(s) for s in sids]
@@ -292,7 +292,7 @@ def test_noise_touches_features_only(cache):
     clean = prepare(sample, generator=anchor_generator(0, 0, sid), **common)
     noisy = prepare(sample, generator=anchor_generator(0, 0, sid), noise_std=0.5,
                     noise=torch.Generator().manual_seed(1), **common)
-    assert not torch.equal(clean.taps, noisy.taps)
+    assert not torch.equal(clean.hidden, noisy.hidden)
     assert torch.equal(clean.labels, noisy.labels) and torch.equal(clean.weights, noisy.weights)
     assert torch.equal(clean.block_ids, noisy.block_ids)
     assert torch.equal(sample["hidden"], shard.hidden(sid))  # the stored data is untouched

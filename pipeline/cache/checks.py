@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
 from pipeline.cache.files import digest_of_files
-from pipeline.cache.manifest import shard_identity
+from pipeline.cache.manifest import shard_claims, shard_field_name
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import DIGESTS, array_specs, inner_shape
 from pipeline.cache.store import hash_shard, read_digests
@@ -38,11 +38,6 @@ class Check:
         return {"check": self.name, "status": status, "summary": self.summary, "evidence": self.evidence}
 
 
-def dims_of(manifest: dict) -> dict[str, int]:
-    cap = manifest["config"]["capture"]
-    return {"n_taps": len(cap["target_layer_ids"]), "hidden_size": cap["hidden_size"], "top_k": cap["top_k"]}
-
-
 def sound_shards(reader: CacheReader, shards: list[str]):
     """(name, ShardReader) for the shards that exist and whose declared shapes match the manifest;
     the others are reported by check_structure and never read."""
@@ -59,11 +54,11 @@ def sound_shards(reader: CacheReader, shards: list[str]):
 def check_structure(reader: CacheReader, shards: list[str]) -> Check:
     """Every listed shard exists; counts, offsets, dtypes, shapes and chunking are as declared."""
     problems, specs = [], array_specs(reader.hidden_format)
-    dims = dims_of(reader.manifest)
+    dims = reader.manifest.identity.capture.dims()
     storage = {spec.name: (reader.chunking.chunk_tokens(spec, dims), reader.chunking.file_tokens(spec, dims))
                for spec in specs}
     for name in shards:
-        record = reader.manifest["shards"][name]
+        record = reader.manifest.shards[name]
         path = reader.dir / name
         if not path.is_dir():
             problems.append(f"{name}: listed in the manifest but missing on disk")
@@ -74,9 +69,9 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
         except PipelineError as e:
             problems.append(str(e))
             continue
-        if shard.num_samples != record["samples"] or shard.num_tokens != record["tokens"]:
+        if shard.num_samples != record.samples or shard.num_tokens != record.tokens:
             problems.append(f"{name}: {shard.num_samples} samples / {shard.num_tokens} tokens on disk, "
-                            f"manifest says {record['samples']} / {record['tokens']}")
+                            f"manifest says {record.samples} / {record.tokens}")
         if shard.offsets[0] != 0 or np.any(np.diff(shard.offsets) <= 0):
             problems.append(f"{name}: offsets are not strictly increasing from 0")
         if len(set(shard.sample_ids.tolist())) != shard.num_samples:
@@ -95,7 +90,7 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                                 f"manifest's chunking gives {storage.get(spec.name)}")
         attrs = dict(shard.group.attrs)
         for key in ("samples", "tokens", "row_range", "kernels", "identity"):
-            if attrs.get(key) != record.get(key):
+            if attrs.get(key) != getattr(record, key):
                 problems.append(f"{name}: shard attribute {key!r} disagrees with the manifest")
     return Check("structure", not problems,
                  f"{len(shards)} shards: counts, offsets, dtypes, shapes, chunking" + (f"; {len(problems)} problems" if problems else " as declared"),
@@ -126,7 +121,7 @@ def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Chec
                 bad.append(f"{name}/{rel}: listed in {DIGESTS} but missing")
             elif on_disk[rel] != listed[rel]:
                 bad.append(f"{name}/{rel}: sha256 or size differs from {DIGESTS}")
-        if "sha256:" + digest_of_files(on_disk) != reader.manifest["shards"][name]["digest"]:
+        if "sha256:" + digest_of_files(on_disk) != reader.manifest.shards[name].digest:
             bad.append(f"{name}: digest of its files differs from the manifest")
     return Check("digests", not bad, f"sha256 of {files_checked} files in {len(shards)} shards"
                  + (f": {len(bad)} mismatches" if bad else " match their shards' digests.json and the manifest"),
@@ -137,7 +132,7 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
     """Decode chunks (Zarr verifies each CRC32C on decode); count NaN/Inf per tap on the way, and
     collect each sample's tap signature (see check_tap_signature)."""
     rng = random.Random(seed)
-    dims = dims_of(reader.manifest)
+    dims = reader.manifest.identity.capture.dims()
     n_taps = dims["n_taps"]
     nan, inf = np.zeros(n_taps, dtype=np.int64), np.zeros(n_taps, dtype=np.int64)
     decoded = total = 0
@@ -171,13 +166,13 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
                 f"{decoded} of {total} chunks decoded with CRC32C verified" + (f"; {len(failures)} failed" if failures else ""),
                 {"failures": failures[:50], "decoded": decoded, "total": total, "sample_rate": sample_rate})
     finite = Check("finite", not (nan.any() or inf.any()), "NaN/Inf per tap: " + ", ".join(
-        f"tap {t}: {int(n)}/{int(i)}" for t, n, i in zip(reader.manifest["config"]["capture"]["target_layer_ids"], nan, inf))
+        f"tap {t}: {int(n)}/{int(i)}" for t, n, i in zip(reader.manifest.identity.capture.target_layer_ids, nan, inf))
         + (f"; {bad_samples.describe()}" if bad_samples else ""),
         {"nan_per_tap": nan.tolist(), "inf_per_tap": inf.tolist(), **bad_samples.evidence()})
     if sample_rate < 1.0:
         signature = Check("tap_signature", True, "skipped: --sample-rate < 1 decodes only part of each sample", skipped=True)
     else:
-        signature = signatures.check(reader.manifest["config"]["capture"]["target_layer_ids"])
+        signature = signatures.check(reader.manifest.identity.capture.target_layer_ids)
     return crc, finite, signature
 
 
@@ -372,33 +367,33 @@ class SampleList:
 
 
 def check_provenance(reader: CacheReader, shards: list[str]) -> Check:
-    """Kernel path and tool environment agree across shards; the config carries the identity."""
+    """Kernel path and tool environment agree across shards; each shard's repeated identity agrees
+    with the cache's."""
     paths, envs, identity_problems = {}, {}, []
-    expected = shard_identity(reader.manifest["config"])
+    identity = reader.manifest.identity
     for name in shards:
-        rec = reader.manifest["shards"][name]
-        for key, value in (rec.get("identity") or {}).items():
-            if expected.get(key) != value:
-                identity_problems.append(f"{name}: {key} {str(value)[:16]} differs from the cache's {str(expected.get(key))[:16]}")
-        paths.setdefault(rec.get("kernels", {}).get("path", "unknown"), []).append(name)
-        env = rec.get("environment", {})
+        rec = reader.manifest.shards[name]
+        for d in identity.differences(shard_claims(rec.identity or {})):
+            identity_problems.append(f"{name}: {shard_field_name(d.field)} {str(d.other)[:16]} differs from the cache's {str(d.recorded)[:16]}")
+        paths.setdefault(rec.kernel_path, []).append(name)
+        env = rec.environment or {}
         key = (env.get("torch"), env.get("transformers"), env.get("flash_linear_attention"), env.get("causal_conv1d"))
         envs.setdefault(str(key), []).append(name)
-    config = reader.manifest["config"]
+    capture = identity.capture
     ok = len(paths) <= 1 and "unknown" not in paths and not identity_problems
     summary = (f"kernel path {'/'.join(paths) or 'none'} across {len(shards)} shards"
                + ("" if len(paths) <= 1 else " (MIXED)")
                + (f" (UNKNOWN for {len(paths['unknown'])} shards: the linear-attention implementation was not identified)"
                   if "unknown" in paths else "")
                + (f"; {len(identity_problems)} shards disagree with the cache identity" if identity_problems else "")
-               + f"; taps {config['capture']['target_layer_ids']}, hidden "
-               f"{config['capture']['hidden_size']}, vocab {config['capture']['vocab_size']}")
+               + f"; taps {capture.target_layer_ids}, hidden {capture.hidden_size}, vocab {capture.vocab_size}")
+    as_json = reader.manifest.to_json()["config"]
     return Check("provenance", ok, summary, {
         "problems": identity_problems[:50],
         "kernel_paths": {k: len(v) for k, v in paths.items()},
         "environments": {k: len(v) for k, v in envs.items()},
-        "tokenizer": config["tokenizer"], "target": {k: v for k, v in config["target"].items() if k != "weights"},
-        "capture": config["capture"]})
+        "tokenizer": as_json["tokenizer"], "target": {k: v for k, v in as_json["target"].items() if k != "weights"},
+        "capture": as_json["capture"]})
 
 
 def open_cache(cache_dir: Path) -> CacheReader:

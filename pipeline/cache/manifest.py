@@ -1,38 +1,340 @@
-"""The cache manifest: what the cache is (config, provenance) and which shards are committed.
+"""The cache manifest: what the cache is (its identity, provenance, plan) and which shards are committed.
+
+This module owns the manifest: `read_manifest` parses and validates `manifest.json` once into a
+typed `Manifest` (unknown schema versions refused); every consumer reads its fields, and
+`update_manifest` writes it. The cache's identity (target, tokenizer, data, capture) is one
+`Identity` record with one comparison, `Identity.differences`, used by extract (a conflicting
+invocation), train (cache vs drafter, preset and target) and verify (shard vs cache, target vs
+cache).
 
 It is the commit marker: a shard exists for readers only once its entry is here. Updates are
 read-modify-write under `manifest.lock`, then an atomic replace, so concurrent extractors on
 one node (or on nodes sharing a filesystem with working flock) never lose each other's shards.
+
+On disk (schema 2) the identity is stored under the key "config"; the key is kept so that
+schema-2 caches stay readable.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from pipeline.cache.files import FileLock, write_json_atomic
-from pipeline.cache.schema import FORMAT_NAME, MANIFEST, MANIFEST_LOCK, MAX_SHARDS, SCHEMA_VERSION, shard_index, shard_name
+from pipeline.cache.schema import (
+    FORMAT_NAME,
+    MANIFEST,
+    MANIFEST_LOCK,
+    MAX_SHARDS,
+    SCHEMA_VERSION,
+    Chunking,
+    check_dims,
+    shard_index,
+    shard_name,
+)
 from pipeline.errors import PipelineError
 
 
-def read_manifest(cache_dir: Path) -> dict | None:
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def key(name: str, **metadata) -> Any:
+    """A field stored under another JSON key than its attribute name."""
+    return field(metadata={"key": name, **metadata})
+
+
+def label(text: str, **kwargs) -> Any:
+    """A field with a human name for messages (defaults: the dotted field path)."""
+    return field(metadata={"label": text}, **kwargs)
+
+
+# --------------------------------------------------------------------------- the identity
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetRecord:
+    model_type: str
+    config_sha256: str = label("target config.json sha256")
+    num_hidden_layers: int
+    weights: dict = label("target weights")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerRecord:
+    files_sha256: str = label("tokenizer files sha256")
+    chat_template_sha256: str = label("chat template sha256")
+    chat_template_kwargs: dict | None
+    thinking: str
+    generation_prompt: str
+    reasoning: str
+    boundary_tokens: str
+    end_of_turn: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataRecord:
+    num_rows: int
+    files: list[dict]
+    generated_by: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureRecord:
+    target_layer_ids: list[int]
+    tap_convention: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    top_k: int
+    hidden_format: str
+    stored_dtype: str
+    compute_dtype: str
+    max_length: int
+    overlong: str
+    on_error: str
+    zstd_level: int
+    checksum: str
+    storage: dict
+
+    def dims(self) -> dict[str, int]:
+        """The array dimensions the schema derives shapes from."""
+        return {"n_taps": len(self.target_layer_ids), "hidden_size": self.hidden_size, "top_k": self.top_k}
+
+    def chunking(self) -> Chunking:
+        return Chunking.from_options(self.storage["options"])
+
+
+# Each shard repeats part of the identity (so a shard written by another tokenizer or tap set
+# shows up); on disk under these flat names, compared as these identity fields.
+SHARD_IDENTITY_FIELDS = {
+    "target_config_sha256": "target.config_sha256",
+    "tokenizer_files_sha256": "tokenizer.files_sha256",
+    "chat_template_sha256": "tokenizer.chat_template_sha256",
+    "target_layer_ids": "capture.target_layer_ids",
+    "hidden_size": "capture.hidden_size",
+    "vocab_size": "capture.vocab_size",
+    "top_k": "capture.top_k",
+    "hidden_format": "capture.hidden_format",
+}
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One identity field whose recorded value differs from another's (or is absent on one side)."""
+    field: str
+    label: str
+    recorded: Any
+    other: Any
+
+    def arrow(self) -> str:
+        return f"{self.field}: {self.recorded!r} -> {self.other!r}"
+
+    def versus(self, recorded_name: str, other_name: str) -> str:
+        return f"{self.label}: {recorded_name} {_brief(self.recorded)} vs {other_name} {_brief(self.other)}"
+
+
+def _brief(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:16] + "..."
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """Everything that decides a cache's content; a later extract invocation must match it exactly."""
+    num_shards: int
+    target: TargetRecord
+    tokenizer: TokenizerRecord
+    data: DataRecord
+    capture: CaptureRecord
+
+    def flat(self) -> dict[str, Any]:
+        """{dotted field path: value}, nested mappings flattened too."""
+        return _flatten(_dump(self))
+
+    def get(self, path: str) -> Any:
+        value: Any = self
+        for part in path.split("."):
+            if is_dataclass(value):
+                value = getattr(value, part, None)
+            elif isinstance(value, dict):
+                value = value.get(part)
+            else:
+                return None
+        return _dump(value)
+
+    def differences(self, claims: Mapping[str, Any], *, complete: bool = False) -> list[Difference]:
+        """The claimed fields (dotted paths) whose values differ from this identity's; with
+        `complete`, also the fields of this identity that `claims` lacks (claims = another identity's
+        `flat()`). The one comparison of identities in the tool."""
+        if complete:
+            # Flattened on both sides: mapping keys may contain dots (weight file names).
+            mine = self.flat()
+            pairs = [(p, mine.get(p), claims.get(p)) for p in sorted(set(mine) | set(claims))]
+        else:
+            pairs = [(p, self.get(p), claims[p]) for p in sorted(claims)]
+        return [Difference(path, _label_of(path), a, b) for path, a, b in pairs if a != b]
+
+    def shard_identity(self) -> dict:
+        """What each shard repeats of this identity, under the shard record's names."""
+        return {name: self.get(path) for name, path in SHARD_IDENTITY_FIELDS.items()}
+
+
+def shard_claims(shard_identity: Mapping[str, Any]) -> dict[str, Any]:
+    """A shard's repeated identity as identity-field claims (an unknown name is kept, and differs)."""
+    return {SHARD_IDENTITY_FIELDS.get(name, f"shard.{name}"): value for name, value in shard_identity.items()}
+
+
+def shard_field_name(path: str) -> str:
+    """The shard record's name for an identity field path (inverse of `shard_claims`)."""
+    names = {path: name for name, path in SHARD_IDENTITY_FIELDS.items()}
+    return names.get(path, path.removeprefix("shard."))
+
+
+def _label_of(path: str) -> str:
+    cls: Any = Identity
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        found = {f.name: f for f in fields(cls)} if is_dataclass(cls) else {}
+        if part not in found:
+            break
+        if i == len(parts) - 1 or not is_dataclass(typing.get_type_hints(cls)[part]):
+            return found[part].metadata.get("label", path)
+        cls = typing.get_type_hints(cls)[part]
+    return path
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    assignment: str
+    num_rows: int
+    num_shards: int
+    storage: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourcesRecord:
+    """Where the inputs were read from (paths on the extracting machine; not part of the identity)."""
+    target: str | None = None
+    data: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRecord:
+    samples: int
+    tokens: int
+    sample_id_min: int
+    sample_id_max: int
+    bytes: int
+    files: int
+    digest: str
+    schema_version: int | None = None
+    row_range: list[int] | None = None
+    # What the writer records besides the counts (None where a record lacks it).
+    identity: dict | None = None
+    kernels: dict | None = None
+    environment: dict | None = None
+    layout: dict | None = None
+    counts: dict | None = None
+    host: str | None = None
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as written
+
+    @property
+    def kernel_path(self) -> str:
+        """The linear-attention implementation that produced the shard; 'unknown' if not recorded."""
+        return (self.kernels or {}).get("path") or "unknown"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    format: str
+    schema_version: int
+    created: str
+    updated: str | None = None
+    identity: Identity = key("config")
+    provenance: dict
+    plan: PlanRecord
+    shards: dict[str, ShardRecord]
+    sources: SourcesRecord = field(default_factory=SourcesRecord)
+    resolved_config: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    def with_shard(self, name: str, record: ShardRecord | dict) -> Manifest:
+        if isinstance(record, dict):
+            record = _parse(ShardRecord, record, f"shards.{name}.")
+        return replace(self, shards={**self.shards, name: record})
+
+    def committed(self) -> list[str]:
+        """Committed shard names in index order."""
+        return sorted(self.shards, key=shard_index)
+
+    def recorded_target(self):
+        from pipeline.target import RecordedTarget
+        return RecordedTarget(path=self.sources.target, config_sha256=self.identity.target.config_sha256,
+                              source="the cache manifest")
+
+    def missing_shards(self, wanted: list[int] | None = None) -> dict:
+        """Completeness (DESIGN 5): which of the cache's `num_shards` (or of `wanted`) are not
+        committed, and how many dataset rows they hold by the shard plan."""
+        from pipeline.data.shard_plan import shard_rows
+
+        num_shards, num_rows = self.identity.num_shards, self.plan.num_rows
+        indices = range(num_shards) if wanted is None else wanted
+        missing = [i for i in indices if shard_name(i) not in self.shards]
+        return {"num_shards": num_shards, "checked": len(indices), "missing": [shard_name(i) for i in missing],
+                "missing_rows": sum(len(shard_rows(i, num_rows, num_shards)) for i in missing),
+                "num_rows": num_rows}
+
+    def to_json(self) -> dict:
+        return _dump(self)
+
+
+def new_manifest(*, identity: Identity, provenance: dict, plan: dict, sources: SourcesRecord,
+                 resolved_config: dict | None = None) -> Manifest:
+    return Manifest(format=FORMAT_NAME, schema_version=SCHEMA_VERSION, created=_now(), identity=identity,
+                    provenance=provenance, plan=_parse(PlanRecord, plan, "plan."), shards={}, sources=sources,
+                    resolved_config=resolved_config)
+
+
+def parse_identity(value: dict, where: str = "config.") -> Identity:
+    return _parse(Identity, value, where)
+
+
+def describe_missing(found: dict) -> str:
+    names = found["missing"]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{len(names)} of {found['checked']} shards not committed ({shown}): "
+            f"{found['missing_rows']} of {found['num_rows']} dataset rows are not in the cache")
+
+
+# --------------------------------------------------------------------------- read, validate, write
+
+
+def read_manifest(cache_dir: Path) -> Manifest | None:
     path = cache_dir / MANIFEST
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PipelineError(f"{path}: not valid JSON ({e})") from None
-    validate_manifest(manifest, path)
-    return manifest
+    return parse_manifest(raw, path)
 
 
-def validate_manifest(manifest, path: Path) -> None:
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+def parse_manifest(raw: Any, path: Path) -> Manifest:
+    """Validate a manifest's JSON once: format, schema version, every field's type, shard names,
+    declared sizes; errors name the file and the field."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise PipelineError(f"{path}: not a {FORMAT_NAME} manifest")
-    version = manifest.get("schema_version")
+    version = raw.get("schema_version")
     if version == 1:
         # Schema 1 (one file per chunk, nested key directories) is refused rather than read: its
         # millions of files are what schema 2 exists to avoid, and both readers would have to be kept.
@@ -41,7 +343,7 @@ def validate_manifest(manifest, path: Path) -> None:
                             "`pipeline extract` into a new --cache directory")
     if version != SCHEMA_VERSION:
         raise PipelineError(f"{path}: schema_version {version!r} is not supported (this tool reads {SCHEMA_VERSION})")
-    shards = manifest.get("shards")
+    shards = raw.get("shards")
     if not isinstance(shards, dict) or len(shards) > MAX_SHARDS:
         raise PipelineError(f"{path}: field 'shards' must be a mapping of at most {MAX_SHARDS} entries")
     for name in shards:
@@ -49,72 +351,110 @@ def validate_manifest(manifest, path: Path) -> None:
             shard_index(name)  # refuses '../x', absolute paths and anything not shard-NNNNN
         except ValueError:
             raise PipelineError(f"{path}: invalid shard name {name!r} in 'shards'") from None
+    try:
+        manifest = _parse(Manifest, raw, "")
+    except _FieldError as e:
+        raise PipelineError(f"{path}: {e}") from None
+    capture = manifest.identity.capture
+    try:
+        # Declared sizes are bounded before any reader allocates from them (caches are untrusted).
+        check_dims({**capture.dims(), "vocab_size": capture.vocab_size})
+        capture.chunking()
+    except (KeyError, TypeError, ValueError) as e:
+        raise PipelineError(f"{path}: bad capture record ({type(e).__name__}: {e})") from None
+    return manifest
 
 
-def update_manifest(cache_dir: Path, change: Callable[[dict | None], dict]) -> dict:
+def update_manifest(cache_dir: Path, change: Callable[[Manifest | None], Manifest]) -> Manifest:
     """Apply `change` to the current manifest (None if absent) under the lock; write the result."""
     with FileLock(cache_dir / MANIFEST_LOCK):
         # Only a holder of this lock writes a temporary manifest: any found now is from a
         # process killed mid-update, and the manifest it meant to replace is still whole.
         for stale in cache_dir.glob(f".{MANIFEST}.tmp-*"):
             stale.unlink(missing_ok=True)
-        manifest = change(read_manifest(cache_dir))
-        manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        write_json_atomic(cache_dir / MANIFEST, manifest)
+        manifest = replace(change(read_manifest(cache_dir)), updated=_now())
+        write_json_atomic(cache_dir / MANIFEST, manifest.to_json())
     return manifest
 
 
-def new_manifest(*, config: dict, provenance: dict, plan: dict) -> dict:
-    return {
-        "format": FORMAT_NAME,
-        "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": config,
-        "provenance": provenance,
-        "plan": plan,
-        "shards": {},
-    }
+class _FieldError(Exception):
+    pass
 
 
-def config_conflicts(recorded: dict, requested: dict, prefix: str = "") -> list[str]:
-    """Fields whose values differ, as 'path: recorded -> requested'."""
-    out = []
-    for key in sorted(set(recorded) | set(requested)):
-        a, b = recorded.get(key), requested.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_conflicts(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+def _kind(tp: Any) -> str:
+    return {int: "an integer", str: "a string", float: "a number", bool: "true or false", dict: "a mapping",
+            list: "a list"}.get(typing.get_origin(tp) or tp, str(tp))
+
+
+def _parse(tp: Any, value: Any, where: str) -> Any:
+    """`value` (parsed JSON) checked against type `tp`; dataclasses built field by field. `where`
+    is the dotted path so far, ending with '.'."""
+    name = where.rstrip(".") or "manifest"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _parse(inner, value, where)
+    if tp is Any:
+        return value
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _FieldError(f"field '{name}' must be a mapping, got {type(value).__name__}")
+        hints, kwargs, known = typing.get_type_hints(tp), {}, set()
+        for f in fields(tp):
+            if f.name == "extra":
+                continue
+            json_key = f.metadata.get("key", f.name)
+            known.add(json_key)
+            if json_key not in value:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise _FieldError(f"field '{where}{json_key}' is missing")
+                continue
+            kwargs[f.name] = _parse(hints[f.name], value[json_key], f"{where}{json_key}.")
+        unknown = {k: v for k, v in value.items() if k not in known}
+        if "extra" in hints:
+            kwargs["extra"] = unknown
+        elif unknown:
+            raise _FieldError(f"field '{where}{sorted(unknown)[0]}' is not known to this version")
+        return tp(**kwargs)
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise _FieldError(f"field '{name}' must be a list, got {type(value).__name__}")
+        return [_parse(args[0], v, f"{where}{i}.") for i, v in enumerate(value)] if args else value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _FieldError(f"field '{name}' must be a mapping, got {type(value).__name__}")
+        return {k: _parse(args[1], v, f"{where}{k}.") for k, v in value.items()} if args else value
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool)}[tp]
+    if not ok(value):
+        raise _FieldError(f"field '{name}' must be {_kind(tp)}, got {type(value).__name__}")
+    return value
+
+
+def _dump(value: Any) -> Any:
+    """The JSON form of a record (inverse of `_parse`)."""
+    if is_dataclass(value):
+        out = {}
+        for f in fields(value):
+            if f.name == "extra":
+                continue
+            out[f.metadata.get("key", f.name)] = _dump(getattr(value, f.name))
+        return {**out, **getattr(value, "extra", {})}
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_dump(v) for v in value]
+    return value
+
+
+def _flatten(value: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in value.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
-
-
-def shard_identity(identity: dict) -> dict:
-    """What every shard repeats of the cache identity, so shards of one cache can be compared
-    with each other and with the manifest (a shard written by another tokenizer shows up)."""
-    cap = identity["capture"]
-    return {"target_config_sha256": identity["target"]["config_sha256"],
-            "tokenizer_files_sha256": identity["tokenizer"]["files_sha256"],
-            "chat_template_sha256": identity["tokenizer"]["chat_template_sha256"],
-            "target_layer_ids": cap["target_layer_ids"], "hidden_size": cap["hidden_size"],
-            "vocab_size": cap["vocab_size"], "top_k": cap["top_k"], "hidden_format": cap["hidden_format"]}
-
-
-def missing_shards(manifest: dict, wanted: list[int] | None = None) -> dict:
-    """Completeness (DESIGN 5): which of the cache's `num_shards` (or of `wanted`) are not committed,
-    and how many dataset rows they hold by the shard plan."""
-    from pipeline.data.shard_plan import shard_rows
-
-    num_shards = manifest["config"]["num_shards"]
-    num_rows = manifest.get("plan", {}).get("num_rows") or manifest["config"]["data"]["num_rows"]
-    indices = range(num_shards) if wanted is None else wanted
-    missing = [i for i in indices if shard_name(i) not in manifest["shards"]]
-    return {"num_shards": num_shards, "checked": len(indices), "missing": [shard_name(i) for i in missing],
-            "missing_rows": sum(len(shard_rows(i, num_rows, num_shards)) for i in missing),
-            "num_rows": num_rows}
-
-
-def describe_missing(found: dict) -> str:
-    names = found["missing"]
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"{len(names)} of {found['checked']} shards not committed ({shown}): "
-            f"{found['missing_rows']} of {found['num_rows']} dataset rows are not in the cache")

@@ -34,7 +34,7 @@ def stratified_picks(reader: CacheReader, shards: list[str], n: int, seed: int) 
     longest sample, the truncated ones (as long as max_length), then random ones, up to n; more
     when there are more shards than n, since every shard is covered."""
     rng = random.Random(seed)
-    max_length = reader.manifest["config"]["capture"]["max_length"]
+    max_length = reader.manifest.identity.capture.max_length
     lengths = [np.diff(reader.shard(name).offsets) for name in shards]
     budget = max(n, len(shards) + 1)
     picks: list[tuple[str, int]] = []
@@ -60,7 +60,7 @@ def stratified_picks(reader: CacheReader, shards: list[str], n: int, seed: int) 
 @torch.no_grad()
 def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     """Every stored tap against every hidden_states[j]: the best j must be tap + 1."""
-    taps = reader.manifest["config"]["capture"]["target_layer_ids"]
+    taps = reader.manifest.identity.capture.target_layer_ids
     worst = {"max_abs": 0.0, "max_rel": 0.0}
     best_index: dict[int, dict[int, int]] = {t: {} for t in taps}
     argmax_same = topk_same = positions = 0
@@ -93,7 +93,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         topk_same += int((torch.topk(logits, k_top).indices.numpy() == sample["target_topk_ids"]).all(axis=1).sum())
         positions += ids.shape[1]
     now = kernel_record(model, counter.counts)["path"]
-    recorded = sorted({reader.manifest["shards"][n].get("kernels", {}).get("path") for n, _ in picks})
+    recorded = sorted({reader.manifest.shards[n].kernel_path for n, _ in picks})
     aligned = all(list(best) == [t + 1] for t, best in best_index.items())
     in_place = list(best_shift) == [0]
     passed = aligned and in_place and worst["max_rel"] <= tol and argmax_same >= 0.99 * positions
@@ -151,9 +151,9 @@ def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed:
     """Every sample (or the --tail-rate fraction): the stored deepest tap, run through the layers
     after it, the final norm and the lm_head, must reproduce the stored argmax, top-k logits and
     logsumexp within the storage tolerance (DESIGN 10)."""
-    cap = reader.manifest["config"]["capture"]
-    deepest, num_layers = max(cap["target_layer_ids"]), cap["num_hidden_layers"]
-    k = cap["target_layer_ids"].index(deepest)
+    cap = reader.manifest.identity.capture
+    deepest, num_layers = max(cap.target_layer_ids), cap.num_hidden_layers
+    k = cap.target_layer_ids.index(deepest)
     # Computing in bf16 (on a GPU) adds its own rounding: a wider band, not yet measured on a GPU.
     tol = {key: value * (4 if compute_dtype == "bfloat16" else 1) for key, value in TAIL_TOLERANCE[reader.hidden_format].items()}
     rng = random.Random(seed)
@@ -175,7 +175,7 @@ def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed:
                 offending.add(sample["shard"], sample["sample_id"], "; ".join(bad))
 
     # Windows hold at most ~256 MB of raw taps (about 5,000 tokens at Qwen3.6-27B's width).
-    window = max(1, (256 << 20) // (len(cap["target_layer_ids"]) * cap["hidden_size"] * 2))
+    window = max(1, (256 << 20) // (len(cap.target_layer_ids) * cap.hidden_size * 2))
     names = ("target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp")
     for name, shard in sound_shards(reader, shards):
         batch, size = [], 0

@@ -16,7 +16,7 @@ import zarr
 from pipeline.cache.encoding import decode_bf16, decode_fp8
 from pipeline.cache.files import link_refused, regular_files
 from pipeline.cache.manifest import read_manifest
-from pipeline.cache.schema import Chunking, array_specs, check_dims, file_key, shard_index, shard_name
+from pipeline.cache.schema import array_specs, file_key, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.errors import PipelineError
 
@@ -165,16 +165,10 @@ class CacheReader:
         manifest = read_manifest(self.dir)
         if manifest is None:
             raise PipelineError(f"{self.dir}: no manifest.json (not a cache, or no shard committed yet)")
-        self.manifest = manifest
-        try:
-            capture = manifest["config"]["capture"]
-            check_dims({"n_taps": len(capture["target_layer_ids"]), "hidden_size": capture["hidden_size"],
-                        "top_k": capture["top_k"], "vocab_size": capture["vocab_size"]})
-            self.chunking = Chunking.from_options(capture["storage"]["options"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise PipelineError(f"{self.dir / 'manifest.json'}: bad capture record ({type(e).__name__}: {e})") from None
-        self.hidden_format = capture["hidden_format"]
-        self.shards = sorted(manifest["shards"], key=shard_index)
+        self.manifest = manifest  # validated on read (declared sizes bounded, chunking parsed)
+        self.chunking = manifest.identity.capture.chunking()
+        self.hidden_format = manifest.identity.capture.hidden_format
+        self.shards = manifest.committed()
         self._files: dict[str, list[Path]] = {}
 
     def files(self, name: str) -> list[Path]:
@@ -185,16 +179,16 @@ class CacheReader:
 
     def shard(self, name_or_index: str | int, *, chunk_cache_bytes: int = 0) -> ShardReader:
         name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
-        if name not in self.manifest["shards"]:
+        if name not in self.manifest.shards:
             raise PipelineError(f"{self.dir}: {name} is not a committed shard")
-        record = self.manifest["shards"][name]
+        record = self.manifest.shards[name]
         return ShardReader(self.dir / name, self.hidden_format, chunk_cache_bytes=chunk_cache_bytes,
-                           expected=(record.get("samples"), record.get("tokens")))
+                           expected=(record.samples, record.tokens))
 
     def find(self, sample_id: int) -> ShardReader:
         for name in self.shards:
-            rec = self.manifest["shards"][name]
-            if rec["sample_id_min"] <= sample_id <= rec["sample_id_max"]:
+            rec = self.manifest.shards[name]
+            if rec.sample_id_min <= sample_id <= rec.sample_id_max:
                 reader = self.shard(name)
                 if sample_id in reader.row_of:
                     return reader

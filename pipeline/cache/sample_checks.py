@@ -34,17 +34,15 @@ def shard_tokens(shard, names=("input_ids", "loss_mask"), *, tap: int | None = N
 def check_loss_masks(reader: CacheReader, shards: list[str], tokenizer) -> Check:
     """Re-derive every sample of the shards from the dataset the manifest names, with its chat
     template, mode and reasoning policy: the same rule extract applied (DESIGN 3.5, 10)."""
-    sources = reader.manifest.get("sources", {}).get("data", [])
-    files = reader.manifest["config"]["data"]["files"]
-    paths = [Path(p) for p in sources]
+    identity = reader.manifest.identity
+    paths = [Path(p) for p in reader.manifest.sources.data]
     if not paths or not all(p.is_file() for p in paths):
         return Check("loss_mask", True, "skipped: the dataset the manifest names is not readable here", skipped=True)
-    if [sha256_file(p) for p in paths] != [f["sha256"] for f in files]:
+    if [sha256_file(p) for p in paths] != [f["sha256"] for f in identity.data.files]:
         return Check("loss_mask", False, "the dataset files differ from the ones the cache was made with (sha256)")
-    tok_cfg = reader.manifest["config"]["tokenizer"]
-    max_length = reader.manifest["config"]["capture"]["max_length"]
-    masker = ConversationMasker(tokenizer, tok_cfg["end_of_turn"], tok_cfg["chat_template_kwargs"],
-                                tok_cfg.get("reasoning", "error"))
+    recorded = identity.tokenizer
+    max_length = identity.capture.max_length
+    masker = ConversationMasker(tokenizer, recorded.end_of_turn, recorded.chat_template_kwargs, recorded.reasoning)
     index, _ = index_rows(paths, on_error="skip")
     mismatched, checked = SampleList(), 0
     for name, shard in sound_shards(reader, shards):
@@ -84,8 +82,8 @@ def check_mask_boundaries(reader: CacheReader, shards: list[str], tokenizer) -> 
     vocab = tokenizer.get_vocab()
     if "<|im_start|>" not in vocab:
         return Check("mask_boundaries", True, "skipped: the tokenizer has no <|im_start|> turn marker", skipped=True)
-    end = reader.manifest["config"]["tokenizer"]["end_of_turn"]
-    newline = newline_tokens(tokenizer, reader.manifest["config"]["capture"]["vocab_size"])
+    end = reader.manifest.identity.tokenizer.end_of_turn
+    newline = newline_tokens(tokenizer, reader.manifest.identity.capture.vocab_size)
     kinds: dict[str, SampleList] = {}
     checked = 0
     for name, shard in sound_shards(reader, shards):

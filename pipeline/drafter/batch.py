@@ -26,7 +26,7 @@ from pipeline.drafter.blocks import (
 
 @dataclass
 class SequenceBlocks:
-    taps: torch.Tensor          # [T, n, H] float32
+    hidden: torch.Tensor        # [T, n, H] float32: the tapped hidden states
     block_ids: torch.Tensor     # [A*B]
     block_pos: torch.Tensor     # [A*B]
     anchors: torch.Tensor       # [A]
@@ -37,12 +37,12 @@ class SequenceBlocks:
 
     @property
     def num_tokens(self) -> int:
-        return self.taps.shape[0]
+        return self.hidden.shape[0]
 
 
 @dataclass
 class PackedBatch:
-    taps: torch.Tensor          # [S, T, n, H]
+    hidden: torch.Tensor        # [S, T, n, H]
     block_ids: torch.Tensor     # [S, Q]
     block_pos: torch.Tensor     # [S, Q]
     anchors: torch.Tensor       # [S, A], 0 for padding blocks
@@ -77,13 +77,13 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
     if len(anchors) == 0:
         return None
     hidden = sample["hidden"][:n]
-    taps = (hidden if isinstance(hidden, torch.Tensor) else torch.from_numpy(np.asarray(hidden))).float()
+    hidden = (hidden if isinstance(hidden, torch.Tensor) else torch.from_numpy(np.asarray(hidden))).float()
     if noise_std > 0:
-        taps = taps + noise_std * torch.randn(taps.shape, generator=noise)
+        hidden = hidden + noise_std * torch.randn(hidden.shape, generator=noise)
     argmax = torch.from_numpy(np.asarray(sample["target_argmax"][:n], dtype=np.int64))
     block_ids, pos = block_tokens(ids, anchors, block_size, mask_token_id)
     labels, weights = block_targets(argmax, mask, anchors, block_size, gamma)
-    out = SequenceBlocks(taps, block_ids, pos, anchors, labels, weights)
+    out = SequenceBlocks(hidden, block_ids, pos, anchors, labels, weights)
     if soft:
         out.soft_ids, out.soft_probs = block_soft_targets(
             torch.from_numpy(np.asarray(sample["target_topk_ids"][:n], dtype=np.int64)),
@@ -97,8 +97,8 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
     t = max(x.num_tokens for x in items)
     a = max(x.labels.shape[0] for x in items)
     q = a * block_size
-    n_taps, hidden = items[0].taps.shape[1:]
-    taps = torch.zeros(s, t, n_taps, hidden)
+    n_taps, hidden_size = items[0].hidden.shape[1:]
+    hidden = torch.zeros(s, t, n_taps, hidden_size)
     block_ids = torch.zeros(s, q, dtype=torch.long)
     block_pos = torch.zeros(s, q, dtype=torch.long)
     anchors = torch.zeros(s, a, dtype=torch.long)
@@ -113,13 +113,13 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
     for i, x in enumerate(items):
         ti, ai = x.num_tokens, x.labels.shape[0]
         qi = ai * block_size
-        taps[i, :ti] = x.taps
+        hidden[i, :ti] = x.hidden
         block_ids[i, :qi], block_pos[i, :qi] = x.block_ids, x.block_pos
         anchors[i, :ai] = x.anchors
         labels[i, :ai], weights[i, :ai], real[i, :ai] = x.labels, x.weights, True
         if soft:
             soft_ids[i, :ai], soft_probs[i, :ai] = x.soft_ids, x.soft_probs
-    return PackedBatch(taps, block_ids, block_pos, anchors, labels.view(s * a, block_size),
+    return PackedBatch(hidden, block_ids, block_pos, anchors, labels.view(s * a, block_size),
                        weights.view(s * a, block_size), real.view(-1),
                        soft_ids.view(s * a, block_size, -1) if soft else None,
                        soft_probs.view(s * a, block_size, -1) if soft else None)
@@ -127,8 +127,8 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
 
 def forward_logits(drafter, batch: PackedBatch) -> torch.Tensor:
     """Logits [S*A, B, V] for a packed batch (one forward for all its sequences and anchors)."""
-    allowed = block_mask(batch.anchors, batch.taps.shape[1], batch.labels.shape[1])
-    logits = drafter(batch.taps, batch.block_ids, batch.block_pos, allowed)
+    allowed = block_mask(batch.anchors, batch.hidden.shape[1], batch.labels.shape[1])
+    logits = drafter(batch.hidden, batch.block_ids, batch.block_pos, allowed)
     return logits.view(batch.labels.shape[0], batch.labels.shape[1], -1)
 
 

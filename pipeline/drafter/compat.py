@@ -8,52 +8,47 @@ the same linear-attention kernels unless the user accepts mixed provenance expli
 
 from __future__ import annotations
 
+from pipeline.cache.manifest import Manifest
 from pipeline.errors import PipelineError
-from pipeline.target import TargetFacts
+
+# Target facts a preset's [target] table may state, as cache identity fields.
+PRESET_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
-def kernel_paths(manifest: dict) -> dict[str, list[str]]:
+def kernel_paths(manifest: Manifest) -> dict[str, list[str]]:
     """{kernel provenance summary: [shards]} over the committed shards."""
     groups: dict[str, list[str]] = {}
-    for name, record in sorted(manifest["shards"].items()):
-        kernels = record.get("kernels") or {}
-        ops = kernels.get("ops") or {}
-        summary = kernels.get("path", "unrecorded") + " (" + ", ".join(
+    for name, record in sorted(manifest.shards.items()):
+        ops = (record.kernels or {}).get("ops") or {}
+        summary = record.kernel_path + " (" + ", ".join(
             f"{op}={info.get('kind')}" for op, info in sorted(ops.items()) if info.get("calls")) + ")"
         groups.setdefault(summary, []).append(name)
     return groups
 
 
-def check_compatible(manifest: dict, *, facts: TargetFacts, tokenizer_sha256: str, weights: dict | None,
-                     taps: list[int] | None, preset_target: dict | None, preset_name: str | None,
-                     allow_mixed_provenance: bool, warn) -> None:
-    """Raise PipelineError listing every disagreement; call `warn` for accepted mixed provenance."""
-    capture = manifest["config"]["capture"]
-    recorded = manifest["config"]
-    problems = []
-
-    def differ(what, cache_value, other_value, other_name):
-        if cache_value != other_value:
-            problems.append(f"{what}: cache {cache_value} vs {other_name} {other_value}")
-
+def check_compatible(manifest: Manifest, *, target: str, target_claims: dict, taps: list[int] | None,
+                     preset_target: dict | None, preset_name: str | None, allow_mixed_provenance: bool, warn) -> None:
+    """Raise PipelineError listing every disagreement; call `warn` for accepted mixed provenance.
+    `target_claims`: what the target directory says of the identity (`pipeline.target.identity_claims`)."""
+    sources = []
     if taps is not None:
-        differ("target_layer_ids", capture["target_layer_ids"], list(taps), "drafter config")
+        sources.append(("drafter config", {"capture.target_layer_ids": list(taps)}))
     if preset_target:
-        source = f"preset {preset_name!r}"
-        for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-            if key in preset_target:
-                differ(key, capture[key], preset_target[key], source)
-    differ("hidden_size", capture["hidden_size"], facts.hidden_size, f"target {facts.path}")
-    differ("vocab_size", capture["vocab_size"], facts.vocab_size, f"target {facts.path}")
-    differ("num_hidden_layers", capture["num_hidden_layers"], facts.num_hidden_layers, f"target {facts.path}")
-    differ("tokenizer files sha256", recorded["tokenizer"]["files_sha256"], tokenizer_sha256, f"target {facts.path}")
-    if weights is not None and recorded["target"].get("weights", {}).get("files") != weights.get("files"):
-        problems.append(f"target weights: {facts.path} is not the checkpoint the cache was extracted with "
-                        "(weight digests differ), so its embedding and lm_head would not match the stored features")
+        sources.append((f"preset {preset_name!r}",
+                        {f"capture.{k}": preset_target[k] for k in PRESET_FIELDS if k in preset_target}))
+    sources.append((f"target {target}", target_claims))
+    problems = []
+    for source, claims in sources:
+        for d in manifest.identity.differences(claims):
+            if d.field == "target.weights.files":
+                problems.append(f"target weights: {target} is not the checkpoint the cache was extracted with "
+                                "(weight digests differ), so its embedding and lm_head would not match the stored features")
+            else:
+                problems.append(d.versus("cache", source))
     if problems:
         raise PipelineError("the cache does not fit this drafter: " + "; ".join(problems))
     groups = kernel_paths(manifest)
-    unknown = [name for name, record in manifest["shards"].items() if (record.get("kernels") or {}).get("path") == "unknown"]
+    unknown = [name for name, record in manifest.shards.items() if record.kernel_path == "unknown"]
     if unknown:
         if not allow_mixed_provenance:
             raise PipelineError(f"kernel provenance unknown for {len(unknown)} shards (e.g. {unknown[0]}): the "

@@ -1,6 +1,6 @@
 """The DFlash block-diffusion drafter (DESIGN 2), written from the design, not copied.
 
-A few Qwen3-style decoder layers. Context features: the target's taps, concatenated per
+A few Qwen3-style decoder layers. Context features: the target's tapped hidden states (`hidden`), concatenated per
 position, go through `fc` (n*H -> H, no bias) and `hidden_norm` once; every layer projects that
 shared context with its own k_proj/v_proj (k_norm on both), so keys and values are
 [context ; block] while queries come from the block only. The context never enters q_proj,
@@ -136,11 +136,11 @@ class DFlashDrafter(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
 
-    def forward(self, taps_BTNH: torch.Tensor, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor,
+    def forward(self, hidden_BTNH: torch.Tensor, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor,
                 allowed_BQK: torch.Tensor) -> torch.Tensor:
-        """Logits [B, Q, V] for block tokens, given the tapped features [B, T, n, H]."""
-        b, t = taps_BTNH.shape[:2]
-        context = self.hidden_norm(self.fc(taps_BTNH.reshape(b, t, -1)))
+        """Logits [B, Q, V] for block tokens, given the tapped hidden states [B, T, n, H]."""
+        b, t = hidden_BTNH.shape[:2]
+        context = self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
         context_pos = torch.arange(t, device=context.device).expand(b, t)
         x = self._frozen["embed"](block_ids_BQ).to(context.dtype)
         for layer in self.layers:

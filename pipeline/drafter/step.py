@@ -83,7 +83,7 @@ class StepRunner:
         std = self.noise_std(step)
         if std > 0:
             for sid, seq in items:
-                seq.taps = seq.taps + std * torch.randn(seq.taps.shape, generator=noise_generator(self.cfg.seed, step, sid))
+                seq.hidden = seq.hidden + std * torch.randn(seq.hidden.shape, generator=noise_generator(self.cfg.seed, step, sid))
         tokens = sum(seq.num_tokens for _, seq in items)
         local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
         global_w = float(all_sum(local_w.clone(), self.world, self.device))

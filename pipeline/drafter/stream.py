@@ -95,7 +95,7 @@ class SampleStream:
         self.reader, self.seed, self.state = reader, seed, state
         self.rank, self.world_size, self.prefetch = rank, world_size, prefetch
         self.fields, self.transform, self.workers = fields, transform, workers
-        self.sizes = {name: reader.manifest["shards"][name]["samples"] for name in reader.shards}
+        self.sizes = {name: reader.manifest.shards[name].samples for name in reader.shards}
 
     def epoch(self):
         """Yield (global position, item) for the rest of the current epoch."""

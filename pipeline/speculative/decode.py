@@ -35,12 +35,12 @@ def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool
 
 def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]) -> Decoded:
     start = target.passes
-    step = target.run(prompt, None, 0, taps=False)
+    step = target.run(prompt, None, 0, with_hidden=False)
     out: list[int] = []
     pos = len(prompt)
     token = int(step.logits[-1].argmax())
     while not _finish(out, [token], eos, max_new):
-        step = target.run([token], step.state, pos, taps=False)
+        step = target.run([token], step.state, pos, with_hidden=False)
         pos += 1
         token = int(step.logits[-1].argmax())
     return Decoded(out, target_passes=target.passes - start)
@@ -48,7 +48,7 @@ def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]
 
 @torch.no_grad()
 def draft_logits(drafter, context_TNH: torch.Tensor, anchor: int, anchor_pos: int) -> torch.Tensor:
-    """Drafter logits [B-1, V] for the positions after `anchor`; context = taps of positions < anchor_pos."""
+    """Drafter logits [B-1, V] for the positions after `anchor`; context = tapped hidden states of positions < anchor_pos."""
     c = drafter.config
     b = c.block_size
     ids = torch.full((1, b), c.mask_token_id, dtype=torch.long)
@@ -59,9 +59,9 @@ def draft_logits(drafter, context_TNH: torch.Tensor, anchor: int, anchor_pos: in
 
 
 def _prefill(target: LiveTarget, prompt: list[int]):
-    """(committed state, context taps [P, n, H], position of the first new token, that token)."""
+    """(committed state, context hidden [P, n, H], position of the first new token, that token)."""
     pre = target.run(prompt, None, 0)
-    return pre.state, pre.taps, len(prompt), int(pre.logits[-1].argmax())
+    return pre.state, pre.hidden, len(prompt), int(pre.logits[-1].argmax())
 
 
 def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int],
@@ -83,8 +83,8 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
         if n == len(drafts):
             state = verify.state                          # everything verified was accepted
         else:
-            target.run([bonus, *drafts[:n]], state, pos, taps=False)   # roll forward the committed state
-        context = torch.cat([context, verify.taps[:n + 1]])
+            target.run([bonus, *drafts[:n]], state, pos, with_hidden=False)   # roll forward the committed state
+        context = torch.cat([context, verify.hidden[:n + 1]])
         pos += n + 1
         if _finish(result.tokens, drafts[:n], eos, max_new):
             break
@@ -119,8 +119,8 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
             accepted.append(choice)
             node, row, depth = child, row_of[child], depth + 1
         result.accepted.append(len(accepted))
-        commit = target.run([bonus, *accepted], state, pos)   # the committed state and the new context taps
-        context = torch.cat([context, commit.taps])
+        commit = target.run([bonus, *accepted], state, pos)   # the committed state and the new context hidden states
+        context = torch.cat([context, commit.hidden])
         pos += len(accepted) + 1
         if _finish(result.tokens, accepted, eos, max_new):
             break

@@ -1,4 +1,4 @@
-"""The live target during speculative decoding: its cache, its taps, and exact rollback.
+"""The live target during speculative decoding: its cache, its tapped hidden states, and exact rollback.
 
 Gated DeltaNet layers keep a recurrent state that only moves forward: after verifying B draft
 tokens, cropping the KV cache of the attention layers does not bring the recurrent state back
@@ -19,7 +19,7 @@ import torch
 @dataclass
 class Step:
     logits: torch.Tensor    # [L, V] (or [R, L, V] for batched rows)
-    taps: torch.Tensor      # [L, n, H] tapped hidden states (hidden_states[i + 1])
+    hidden: torch.Tensor | None  # [L, n, H] tapped hidden states (hidden_states[i + 1]); None unless asked for
     state: object           # the cache after these tokens
 
 
@@ -30,16 +30,16 @@ class LiveTarget:
         self.tokens = 0       # tokens fed through the target
 
     @torch.no_grad()
-    def run(self, tokens: list[int] | torch.Tensor, state, start: int, *, taps: bool = True) -> Step:
+    def run(self, tokens: list[int] | torch.Tensor, state, start: int, *, with_hidden: bool = True) -> Step:
         """Feed `tokens` at positions start.. on top of `state` (None: empty). `state` is updated
         in place by transformers; pass a copy to keep the original."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
         positions = torch.arange(start, start + ids.shape[1])[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True, output_hidden_states=taps)
+        out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True, output_hidden_states=with_hidden)
         self.passes += 1
         self.tokens += ids.shape[1]
-        features = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1).float() if taps else None
-        return Step(out.logits[0].float(), features, out.cache)
+        hidden = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1).float() if with_hidden else None
+        return Step(out.logits[0].float(), hidden, out.cache)
 
     @torch.no_grad()
     def run_rows(self, rows: torch.Tensor, state, start: int) -> torch.Tensor:
