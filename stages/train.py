@@ -129,8 +129,7 @@ def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps:
 
 def cache_identity(manifest: Manifest) -> dict:
     """What a checkpoint remembers of its cache: a resume on different data is refused."""
-    recorded = manifest.to_json()["config"]
-    return {"capture": recorded["capture"], "data": recorded["data"],
+    return {"capture": asdict(manifest.identity.capture), "data": asdict(manifest.identity.data),
             "shards": {name: rec.digest for name, rec in sorted(manifest.shards.items())}}
 
 

@@ -9,7 +9,7 @@ tokens) and hidden states one chunk at a time.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -387,13 +387,12 @@ def check_provenance(reader: CacheReader, shards: list[str]) -> Check:
                   if "unknown" in paths else "")
                + (f"; {len(identity_problems)} shards disagree with the cache identity" if identity_problems else "")
                + f"; taps {capture.target_layer_ids}, hidden {capture.hidden_size}, vocab {capture.vocab_size}")
-    as_json = reader.manifest.to_json()["config"]
     return Check("provenance", ok, summary, {
         "problems": identity_problems[:50],
         "kernel_paths": {k: len(v) for k, v in paths.items()},
         "environments": {k: len(v) for k, v in envs.items()},
-        "tokenizer": as_json["tokenizer"], "target": {k: v for k, v in as_json["target"].items() if k != "weights"},
-        "capture": as_json["capture"]})
+        "tokenizer": asdict(identity.tokenizer), "target": {k: v for k, v in asdict(identity.target).items() if k != "weights"},
+        "capture": asdict(capture)})
 
 
 def open_cache(cache_dir: Path) -> CacheReader:
