@@ -148,6 +148,7 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
+    mix_shards: int = 16                     # shards whose samples are shuffled together (each global batch mixes them)
     prefetch: int = 16                       # decoded samples read ahead per rank
     loader_workers: int = 0                  # loader processes per rank; 0: a thread in the training process (measured faster on CPU, BENCHMARKS.md)
     allow_mixed_provenance: bool = False
@@ -171,6 +172,7 @@ class TrainConfig:
             (self.max_steps is None or self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
             (self.batch_sequences >= 1, f"batch_sequences must be >= 1, got {self.batch_sequences}"),
             (self.micro_batch_sequences >= 1, f"micro_batch_sequences must be >= 1, got {self.micro_batch_sequences}"),
+            (self.mix_shards >= 1, f"mix_shards must be >= 1, got {self.mix_shards}"),
             (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}"),
             (self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}"),

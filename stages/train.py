@@ -33,6 +33,7 @@ from pipeline.drafter.blocks import default_gamma
 from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from pipeline.drafter.compat import PRESET_FIELDS, check_compatible, kernel_paths
 from pipeline.drafter.export import export_drafter
+from pipeline.drafter.loss import LOSS_PATH
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.drafter.step import StepRunner, all_sum, autocast_dtype
 from pipeline.drafter.stream import SampleStream, StreamState
@@ -78,8 +79,10 @@ def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dic
     return load_config(TrainConfig, path, overrides, section="train", base=base), preset_target
 
 
-def frozen_target_modules(target_dir: Path) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
-    """The target's embed_tokens and lm_head, read from its safetensors (nothing else is loaded)."""
+def frozen_target_modules(target_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    """The target's embed_tokens and lm_head, read from its safetensors (nothing else is loaded),
+    in `dtype` once (the compute dtype: bf16 halves their 5 GB each at the flagship vocabulary and
+    nothing casts them per step)."""
     from safetensors import safe_open
 
     index = target_dir / "model.safetensors.index.json"
@@ -94,7 +97,7 @@ def frozen_target_modules(target_dir: Path) -> tuple[torch.nn.Embedding, torch.n
                 continue
             with safe_open(str(path), "pt") as f:
                 if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    found[role] = f.get_tensor(name).float()
+                    found[role] = f.get_tensor(name).to(dtype)
                     break
     if "embed" not in found:
         raise PipelineError(f"{target_dir}: no embed_tokens weight in the target's safetensors")
@@ -196,7 +199,8 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
     taps = list(manifest.identity.capture.target_layer_ids)
     config = drafter_config(cfg, facts, target_dir, taps)
-    embed, head = frozen_target_modules(target_dir)
+    frozen_dtype = autocast_dtype(cfg, device) or torch.float32
+    embed, head = frozen_target_modules(target_dir, frozen_dtype)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -223,6 +227,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             "config": asdict(cfg), "target": str(target_dir), "target_config_sha256": facts.config_sha256,
             "cache": str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
+            "frozen_dtype": str(frozen_dtype).removeprefix("torch."), "loss_path": LOSS_PATH,
             "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
             "incomplete_cache": incomplete if incomplete["missing"] else None,
             "resumed_from_step": step})
@@ -243,7 +248,8 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=epoch, position=position), rank=rank,
                                   world_size=world, prefetch=cfg.prefetch,
                                   fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if cfg.loss == "kl" else ()),
-                                  transform=trainer.preparer(epoch), workers=cfg.loader_workers)
+                                  transform=trainer.preparer(epoch), workers=cfg.loader_workers,
+                                  mix_shards=cfg.mix_shards)
             items = stream.epoch()
             try:
                 while step < plan.total_steps and position + cfg.batch_sequences <= plan.samples_per_epoch:

@@ -41,6 +41,25 @@ def test_order_of_a_huge_cache_is_lazy():
     assert name in sizes and 0 <= row < 10_000
 
 
+def test_each_global_batch_mixes_many_shards():
+    """64 shards of a contiguous row range each (the qwen3.6-27b plan), batches of 64: every batch
+    draws from many shards (the order used to walk one shard after another)."""
+    sizes = {f"shard-{i:05d}": 250 for i in range(64)}
+    batch = 64
+
+    def distinct(mix):
+        order = epoch_order(sizes, seed=0, epoch=0, mix_shards=mix)
+        assert sorted(order) == sorted((n, r) for n, c in sizes.items() for r in range(c))
+        return [len({name for name, _ in order[i:i + batch]}) for i in range(0, len(order) - batch + 1, batch)]
+
+    walked, mixed = distinct(1), distinct(16)
+    assert max(walked) <= 2
+    assert min(mixed) >= 10 and sum(mixed) / len(mixed) > 14  # 16 * (1 - (15/16)**64) = 15.7 expected
+    # A window holds 16 shards: the first 16 * 250 positions come from 16 shards only.
+    first = epoch_order(sizes, seed=0, epoch=0, mix_shards=16)[:16 * 250]
+    assert len({name for name, _ in first}) == 16
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ranks_cover_the_epoch_once_whatever_the_world_size(world_size):
     total = sum(SIZES.values())

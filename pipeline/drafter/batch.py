@@ -126,10 +126,18 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
 
 
 def forward_logits(drafter, batch: PackedBatch) -> torch.Tensor:
-    """Logits [S*A, B, V] for a packed batch (one forward for all its sequences and anchors)."""
+    """Logits [S*A, B, V] for a packed batch (one forward for all its sequences and anchors);
+    for evaluation and as the reference: training never materialises them (final_hidden)."""
     allowed = block_mask(batch.anchors, batch.hidden.shape[1], batch.labels.shape[1])
     logits = drafter(batch.hidden, batch.block_ids, batch.block_pos, allowed)
     return logits.view(batch.labels.shape[0], batch.labels.shape[1], -1)
+
+
+def final_hidden(drafter, batch: PackedBatch) -> torch.Tensor:
+    """The drafter's final normed states [S*A, B, H], what the lm_head takes (training's loss input)."""
+    allowed = block_mask(batch.anchors, batch.hidden.shape[1], batch.labels.shape[1])
+    out = drafter(batch.hidden, batch.block_ids, batch.block_pos, allowed, logits=False)
+    return out.view(batch.labels.shape[0], batch.labels.shape[1], -1)
 
 
 def loss_sum(logits, batch: PackedBatch, kind: str) -> torch.Tensor:

@@ -22,12 +22,19 @@ def _streak(ok_AB: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def metric_sums(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: torch.Tensor,
                 blocks_A: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Sums behind every metric. `blocks_A` marks real blocks (False for padding rows)."""
-    supervised = weights_AB > 0
-    real = torch.ones(len(labels_AB), dtype=torch.bool, device=labels_AB.device) if blocks_A is None else blocks_A
+    """Sums behind every metric, from full logits. `blocks_A` marks real blocks (False for padding rows)."""
     ranked = logits_ABV.topk(min(8, logits_ABV.shape[-1]), dim=-1).indices
     hit = ranked == labels_AB[..., None]
-    top1, top4, top8 = hit[..., 0] & supervised, hit[..., :4].any(-1) & supervised, hit.any(-1) & supervised
+    return hit_sums(torch.stack([hit[..., 0], hit[..., :4].any(-1), hit.any(-1)], dim=-1), weights_AB, blocks_A)
+
+
+@torch.no_grad()
+def hit_sums(hits_AB3: torch.Tensor, weights_AB: torch.Tensor, blocks_A: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Sums behind every metric, from each slot's (top-1, top-4, top-8) hits (only supervised
+    slots count; pipeline/drafter/loss.py computes hits for those alone)."""
+    supervised = weights_AB > 0
+    real = torch.ones(len(weights_AB), dtype=torch.bool, device=weights_AB.device) if blocks_A is None else blocks_A
+    top1, top4, top8 = (hits_AB3[..., i] & supervised for i in range(3))
     f = torch.float64
     return {
         "supervised": supervised.sum().to(f),

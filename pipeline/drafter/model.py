@@ -136,13 +136,20 @@ class DFlashDrafter(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._frozen["lm_head"].weight
+
     def forward(self, hidden_BTNH: torch.Tensor, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor,
-                allowed_BQK: torch.Tensor) -> torch.Tensor:
-        """Logits [B, Q, V] for block tokens, given the tapped hidden states [B, T, n, H]."""
+                allowed_BQK: torch.Tensor, *, logits: bool = True) -> torch.Tensor:
+        """Logits [B, Q, V] for block tokens, given the tapped hidden states [B, T, n, H]; with
+        `logits=False` the final normed states [B, Q, H] the lm_head would take (training computes
+        its loss from those a chunk at a time: pipeline/drafter/loss.py)."""
         b, t = hidden_BTNH.shape[:2]
         context = self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
         context_pos = torch.arange(t, device=context.device).expand(b, t)
         x = self._frozen["embed"](block_ids_BQ).to(context.dtype)
         for layer in self.layers:
             x = layer(x, context, block_pos_BQ, context_pos, allowed_BQK)
-        return self._frozen["lm_head"](self.norm(x))
+        x = self.norm(x)
+        return self._frozen["lm_head"](x) if logits else x

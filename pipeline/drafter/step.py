@@ -13,8 +13,18 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import TrainConfig
-from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, noise_generator, pack, placeholder, prepare
-from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
+from pipeline.drafter.batch import (
+    anchor_generator,
+    final_hidden,
+    forward_logits,
+    loss_sum,
+    noise_generator,
+    pack,
+    placeholder,
+    prepare,
+)
+from pipeline.drafter.loss import supervised_loss
+from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.errors import PipelineError
 from pipeline.schedule import warmup_cosine
 
@@ -38,6 +48,10 @@ def all_sum(value: torch.Tensor, world: int, device: torch.device) -> torch.Tens
 
 class StepRunner:
     """One optimizer step over a rank's share of the global batch, in micro-batches."""
+
+    # The path before issue 17 (full [queries, V] logits, then the loss): the reference that
+    # benchmarks/loss_path.py measures the chunked loss against. Training never sets it.
+    full_logits = False
 
     def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma):
         self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
@@ -78,6 +92,21 @@ class StepRunner:
         tokens, self._tokens = self._tokens, 0
         return tokens
 
+    def _loss(self, packed, with_metrics: bool):
+        """(sum of loss * w over the micro-batch, a function returning its metric sums)."""
+        if self.full_logits:
+            with self._autocast():
+                logits = forward_logits(self.model, packed)
+            return loss_sum(logits, packed, self.cfg.loss), lambda: metric_sums(
+                logits.detach(), packed.labels, packed.weights, packed.real_blocks)
+        with self._autocast():
+            final = final_hidden(self.model, packed)
+        soft = self.cfg.loss == "kl"
+        part, hits = supervised_loss(final, self.drafter.lm_head_weight, packed.labels, packed.weights,
+                                     soft_ids=packed.soft_ids if soft else None, soft_probs=packed.soft_probs if soft else None,
+                                     with_hits=with_metrics)
+        return part, lambda: hit_sums(hits, packed.weights, packed.real_blocks)
+
     def step(self, batch: list, step: int, *, with_metrics: bool) -> dict:
         items = [(sid, seq) for sid, seq in batch if seq is not None]
         std = self.noise_std(step)
@@ -101,14 +130,11 @@ class StepRunner:
             seqs = [seq for _, seq in chunk] or [self._placeholder()]
             with ctx:
                 packed = pack(seqs, self.cfg.block_size).to(self.device)
-                with self._autocast():
-                    logits = forward_logits(self.model, packed)
-                part = loss_sum(logits, packed, self.cfg.loss)
+                part, metric = self._loss(packed, with_metrics)
                 (part * (self.world / global_w)).backward()
                 total_loss += part.detach().double()  # stays on the device: no sync per micro-batch
                 if with_metrics:
-                    sums = add_sums(sums, {k: v.cpu() for k, v in metric_sums(
-                        logits.detach(), packed.labels, packed.weights, packed.real_blocks).items()})
+                    sums = add_sums(sums, {k: v.cpu() for k, v in metric().items()})
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             ids = ", ".join(str(sid) for sid, _ in items[:8])

@@ -1,10 +1,12 @@
 """Training order over a cache and a prefetching sample stream (issue 5, DESIGN 5).
 
 The order of an epoch is a pure function of (the committed shards and their sample counts,
-seed, epoch): shards are shuffled, then the rows inside each shard, so reading stays mostly
-sequential within a shard. It does not depend on the world size; rank r of W takes global
-positions r, r+W, r+2W, ..., so the same global batches are formed whatever W is. The resume
-state is (epoch, position): how many global positions were consumed.
+seed, epoch, mix_shards): shards are shuffled, then taken `mix_shards` at a time (a window), and
+the samples of a window are visited in a seeded random order, so each global batch mixes samples
+from up to `mix_shards` shards spread over the whole dataset (datasets are often concatenated by
+source, and a shard is a contiguous range of rows). It does not depend on the world size; rank r
+of W takes global positions r, r+W, r+2W, ..., so the same global batches are formed whatever W
+is. The resume state is (epoch, position): how many global positions were consumed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import bisect
 import queue
 import random
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipeline.cache.reader import CacheReader
 
@@ -27,37 +32,46 @@ class StreamState:
 
 
 class EpochOrder:
-    """Position -> (shard name, row) for one epoch: shards shuffled, rows shuffled within each
-    shard. Lazy: memory is one shard's permutation, not the whole epoch (caches can hold
-    millions of samples)."""
+    """Position -> (shard name, row) for one epoch: shards shuffled, grouped `mix_shards` at a
+    time, the rows of each group permuted together. Lazy: memory is one window's permutation
+    (4 bytes a sample), not the whole epoch's (caches can hold millions of samples)."""
 
-    def __init__(self, shard_sizes: dict[str, int], seed: int, epoch: int):
+    def __init__(self, shard_sizes: dict[str, int], seed: int, epoch: int, mix_shards: int = 16):
+        if mix_shards < 1:
+            raise ValueError(f"mix_shards must be >= 1, got {mix_shards}")
         self.seed, self.epoch = seed, epoch
         self.names = sorted(shard_sizes)
         random.Random(f"{seed}:{epoch}").shuffle(self.names)
-        self.starts = [0]
+        self.starts = [0]  # first position of each shard, in visiting order
         for name in self.names:
             self.starts.append(self.starts[-1] + shard_sizes[name])
-        self._rows: tuple[str, list[int]] | None = None
+        self.windows = [range(i, min(i + mix_shards, len(self.names))) for i in range(0, len(self.names), mix_shards)]
+        self.window_starts = [self.starts[w.start] for w in self.windows] + [self.starts[-1]]
+        self._window: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.starts[-1]
 
+    def _permutation(self, w: int) -> np.ndarray:
+        if self._window is None or self._window[0] != w:
+            size = self.window_starts[w + 1] - self.window_starts[w]
+            rng = np.random.default_rng([self.seed, self.epoch, w, 0x6D1C])
+            self._window = (w, rng.permutation(size).astype(np.int64 if size >= 2**31 else np.int32))
+        return self._window[1]
+
     def __getitem__(self, position: int) -> tuple[str, int]:
         if not 0 <= position < len(self):
             raise IndexError(position)
-        i = bisect.bisect_right(self.starts, position) - 1
-        name = self.names[i]
-        if self._rows is None or self._rows[0] != name:
-            rows = list(range(self.starts[i + 1] - self.starts[i]))
-            random.Random(f"{self.seed}:{self.epoch}:{name}").shuffle(rows)
-            self._rows = (name, rows)
-        return name, self._rows[1][position - self.starts[i]]
+        w = bisect.bisect_right(self.window_starts, position) - 1
+        # The window's samples in a seeded order: index -> (shard of the window, row in it).
+        index = self.window_starts[w] + int(self._permutation(w)[position - self.window_starts[w]])
+        i = bisect.bisect_right(self.starts, index) - 1
+        return self.names[i], index - self.starts[i]
 
 
-def epoch_order(shard_sizes: dict[str, int], seed: int, epoch: int) -> list[tuple[str, int]]:
+def epoch_order(shard_sizes: dict[str, int], seed: int, epoch: int, mix_shards: int = 16) -> list[tuple[str, int]]:
     """The whole order as a list (small caches and tests)."""
-    order = EpochOrder(shard_sizes, seed, epoch)
+    order = EpochOrder(shard_sizes, seed, epoch, mix_shards)
     return [order[p] for p in range(len(order))]
 
 
@@ -89,17 +103,18 @@ class SampleStream:
     SOFT_FIELDS = ("target_topk_ids", "target_topk_logits", "target_logsumexp")
 
     def __init__(self, reader: CacheReader, *, seed: int, state: StreamState, rank: int = 0, world_size: int = 1,
-                 prefetch: int = 8, fields: tuple[str, ...] = FIELDS, transform=None, workers: int = 0):
+                 prefetch: int = 8, fields: tuple[str, ...] = FIELDS, transform=None, workers: int = 0,
+                 mix_shards: int = 16):
         """`transform(position, sample)` runs where the reading runs (CPU preparation off the
         training loop); what it returns is what the stream yields."""
         self.reader, self.seed, self.state = reader, seed, state
         self.rank, self.world_size, self.prefetch = rank, world_size, prefetch
-        self.fields, self.transform, self.workers = fields, transform, workers
+        self.fields, self.transform, self.workers, self.mix_shards = fields, transform, workers, mix_shards
         self.sizes = {name: reader.manifest.shards[name].samples for name in reader.shards}
 
     def epoch(self):
         """Yield (global position, item) for the rest of the current epoch."""
-        order = EpochOrder(self.sizes, self.seed, self.state.epoch)
+        order = EpochOrder(self.sizes, self.seed, self.state.epoch, self.mix_shards)
         positions = rank_positions(len(order), self.state.position, self.rank, self.world_size)
         if self.workers > 0:
             return self._processes(order, positions)
@@ -134,15 +149,26 @@ class SampleStream:
         q: queue.Queue = queue.Queue(maxsize=prefetch)
         stop = threading.Event()
 
+        # The shards of one window are read together: they stay open (the window's, no more), and
+        # share the chunk-cache budget.
+        open_shards: OrderedDict = OrderedDict()
+        cache_bytes = CHUNK_CACHE_BYTES // min(self.mix_shards, max(1, len(self.sizes)))
+
+        def shard_reader(name: str):
+            if name not in open_shards:
+                open_shards[name] = self.reader.shard(name, chunk_cache_bytes=cache_bytes)
+                if len(open_shards) > self.mix_shards:
+                    open_shards.popitem(last=False)
+            open_shards.move_to_end(name)
+            return open_shards[name]
+
         def produce():
-            shard = None  # only the shard being read is open: memory stays flat over many shards
             try:
                 for pos in positions:
                     if stop.is_set():
                         return
                     name, row = order[pos]
-                    if shard is None or shard.path.name != name:
-                        shard = self.reader.shard(name, chunk_cache_bytes=CHUNK_CACHE_BYTES)
+                    shard = shard_reader(name)
                     sid = int(shard.sample_ids[row])
                     sample = {k: shard.read(k, sid) for k in self.fields}
                     sample["hidden"] = shard.hidden(sid)

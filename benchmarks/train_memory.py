@@ -1,0 +1,123 @@
+"""Peak memory of one training micro-step at the flagship width, the full-logits path vs the
+chunked loss (issue 17), measured on CPU with reduced counts, then a per-query fit.
+
+Each measurement runs in a fresh process: build a drafter at hidden 5120, vocabulary 248,320 and
+the reference head geometry (32 query / 8 KV heads, head_dim 128, intermediate 17408) with
+`--layers` layers, one 3,072-token sequence with A anchors x block 16; reset the process's peak
+RSS (/proc/self/clear_refs), run forward + loss + metrics + backward, and report the peak RSS
+above the level before the step. The frozen embedding and lm_head (one tied fp32 tensor here, to
+fit this machine) and the parameters are in that baseline, not in the step's peak.
+
+  python benchmarks/train_memory.py --json                  # both paths, 32/64/128 anchors, 1 layer
+  python benchmarks/train_memory.py --anchors 64 --layers 2 # the per-layer increment
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+HIDDEN, VOCAB, TOKENS, BLOCK, TAPS = 5120, 248_320, 3072, 16, 5
+
+
+def rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def one(path: str, anchors: int, layers: int) -> dict:
+    import numpy as np
+    import torch
+
+    from pipeline.drafter.batch import final_hidden, forward_logits, loss_sum, pack, prepare
+    from pipeline.drafter.loss import supervised_loss
+    from pipeline.drafter.metrics import hit_sums, metric_sums
+    from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(0)
+    config = DrafterConfig(hidden_size=HIDDEN, intermediate_size=17408, num_hidden_layers=layers, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=128, vocab_size=VOCAB, target_layer_ids=[1, 16, 31, 46, 61],
+                           num_target_layers=64, mask_token_id=248070, block_size=BLOCK, rope_theta=1e7)
+    shared = torch.nn.Embedding(VOCAB, HIDDEN)
+    shared.weight.data.normal_(0, 0.02)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    head.weight = shared.weight  # tied: one 5 GB tensor instead of two on this machine
+    drafter = DFlashDrafter(config, embed=shared, lm_head=head)
+    rng = np.random.default_rng(0)
+    sample = {"input_ids": rng.integers(0, 248_000, TOKENS), "loss_mask": np.ones(TOKENS, np.uint8),
+              "target_argmax": rng.integers(0, 248_000, TOKENS),
+              "hidden": rng.standard_normal((TOKENS, TAPS, HIDDEN), dtype=np.float32)}
+    seq = prepare(sample, block_size=BLOCK, num_anchors=anchors, max_length=TOKENS, mask_token_id=248070, gamma=7.0,
+                  generator=torch.Generator().manual_seed(0))
+    packed = pack([seq], BLOCK)
+    del sample
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = rss_bytes("VmRSS")
+    start = time.perf_counter()
+    if path == "full":  # what the trainer did before issue 17
+        logits = forward_logits(drafter, packed)
+        loss = loss_sum(logits, packed, "ce")
+        loss.backward()
+        metric_sums(logits.detach(), packed.labels, packed.weights, packed.real_blocks)
+    else:
+        final = final_hidden(drafter, packed)
+        loss, hits = supervised_loss(final, drafter.lm_head_weight, packed.labels, packed.weights, with_hits=True)
+        loss.backward()
+        hit_sums(hits, packed.weights, packed.real_blocks)
+    seconds = time.perf_counter() - start
+    peak = rss_bytes("VmHWM") - before
+    return {"path": path, "anchors": anchors, "queries": anchors * BLOCK, "layers": layers, "tokens": TOKENS,
+            "step_peak_bytes": peak, "seconds": round(seconds, 1), "loss": float(loss.detach()),
+            "threads": torch.get_num_threads()}
+
+
+def fit(rows: list[dict]) -> dict:
+    """peak = a + b * queries, least squares over the anchor counts (per path, 1 layer)."""
+    out = {}
+    for path in sorted({r["path"] for r in rows}):
+        pts = [(r["queries"], r["step_peak_bytes"]) for r in rows if r["path"] == path and r["layers"] == 1]
+        if len(pts) < 2:
+            continue
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out[path] = {"bytes_per_query": b, "intercept_bytes": my - b * mx,
+                     "bytes_per_query_over_V": b / VOCAB}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--anchors", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--paths", nargs="+", default=["full", "chunked"])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", nargs=3, metavar=("PATH", "ANCHORS", "LAYERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        return
+    rows = []
+    for anchors in args.anchors:
+        for path in args.paths:  # paths interleaved per anchor count
+            done = subprocess.run([sys.executable, __file__, "--one", path, str(anchors), str(args.layers)],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                rows.append({"path": path, "anchors": anchors, "layers": args.layers, "error": done.stderr.strip()[-300:]})
+            else:
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    result = {"rows": rows, "fit": fit([r for r in rows if "error" not in r])}
+    print(json.dumps(result, indent=1) if args.json else result)
+
+
+if __name__ == "__main__":
+    main()

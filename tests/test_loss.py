@@ -1,0 +1,97 @@
+"""The training loss without full logits (pipeline/drafter/loss.py) against the full-logits
+reference (the drafter's plain forward to [A, B, V] logits, then `weighted_ce` / `weighted_soft_kl`,
+which test_drafter checks against the formula): same loss, same gradients, same metrics, and no
+tensor of the full [supervised slots, V] size kept for backward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.drafter.batch import anchor_generator, final_hidden, forward_logits, loss_sum, pack, prepare
+from pipeline.drafter.loss import supervised_loss
+from pipeline.drafter.metrics import hit_sums, metric_sums
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+
+H, V, B, TAPS, K = 48, 301, 8, 3, 6
+
+
+def drafter(seed=0):
+    torch.manual_seed(seed)
+    config = DrafterConfig(hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=V, target_layer_ids=[1, 3, 5],
+                           num_target_layers=8, mask_token_id=V - 1, block_size=B)
+    head = torch.nn.Linear(H, V, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.5)
+    return DFlashDrafter(config, embed=torch.nn.Embedding(V, H), lm_head=head)
+
+
+def sample(n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n, K)).astype(np.float32) * 3
+    mask = (rng.random(n) < 0.7).astype(np.uint8)
+    mask[:2] = 1
+    return {"input_ids": rng.integers(0, V - 1, n), "loss_mask": mask,
+            "target_argmax": rng.integers(0, V - 1, n), "hidden": rng.normal(size=(n, TAPS, H)).astype(np.float32),
+            "target_topk_ids": np.stack([rng.permutation(V - 1)[:K] for _ in range(n)]),
+            "target_topk_logits": -np.sort(-logits, axis=1),
+            "target_logsumexp": np.log(np.exp(logits).sum(1) + 5.0).astype(np.float32)}
+
+
+def batch(soft: bool):
+    seqs = [prepare(sample(n, s), block_size=B, num_anchors=9, max_length=4096, mask_token_id=V - 1, gamma=4.0,
+                    generator=anchor_generator(0, 0, s), soft=soft) for s, n in enumerate((57, 90, 33))]
+    return pack(seqs, B)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+@pytest.mark.parametrize("chunk_rows", [1, 7, None])
+def test_same_loss_gradients_and_metrics_as_full_logits(kind, chunk_rows):
+    packed = batch(kind == "kl")
+    reference = drafter()
+    logits = forward_logits(reference, packed)
+    want = loss_sum(logits, packed, kind)
+    want.backward()
+    want_sums = metric_sums(logits.detach(), packed.labels, packed.weights, packed.real_blocks)
+
+    model = drafter()
+    got, hits = supervised_loss(final_hidden(model, packed), model.lm_head_weight, packed.labels, packed.weights,
+                                soft_ids=packed.soft_ids if kind == "kl" else None,
+                                soft_probs=packed.soft_probs if kind == "kl" else None,
+                                chunk_rows=chunk_rows, with_hits=True)
+    got.backward()
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    a, b = grads(reference), grads(model)
+    for name in a:
+        scale = a[name].abs().max()
+        assert scale > 0, name  # every parameter gets a gradient: the comparison is not vacuous
+        assert float((a[name] - b[name]).abs().max() / scale) < 1e-5, name
+    got_sums = hit_sums(hits, packed.weights, packed.real_blocks)
+    for name, value in want_sums.items():
+        assert torch.equal(value, got_sums[name]), name
+    assert float(want_sums["top1"]) < float(want_sums["supervised"])  # not all trivially right
+
+
+def test_no_vocabulary_sized_tensor_is_kept_for_backward():
+    """Only the (frozen, shared) lm_head weight has a vocabulary axis among the tensors autograd
+    keeps; the reference keeps the logits of every slot."""
+    packed = batch(False)
+    saved = []
+
+    def keep(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    model = drafter()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss_sum(forward_logits(model, packed), packed, "ce")
+    assert any(shape[-1:] == (V,) and shape != (V, H) for shape in saved)  # the check can fail
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        supervised_loss(final_hidden(model, packed), model.lm_head_weight, packed.labels, packed.weights, chunk_rows=16)
+    assert saved and [s for s in saved if V in s and s != (V, H)] == []
