@@ -39,9 +39,9 @@ def sample(n: int, seed: int) -> dict:
             "target_logsumexp": np.log(np.exp(logits).sum(1) + 5.0).astype(np.float32)}
 
 
-def batch(soft: bool):
+def batch(soft: bool, lengths=(57, 90, 33)):
     seqs = [prepare(sample(n, s), block_size=B, num_anchors=9, max_length=4096, mask_token_id=V - 1, gamma=4.0,
-                    generator=anchor_generator(0, 0, s), soft=soft) for s, n in enumerate((57, 90, 33))]
+                    generator=anchor_generator(0, 0, s), soft=soft) for s, n in enumerate(lengths)]
     return pack(seqs, B)
 
 
@@ -50,9 +50,10 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])
-@pytest.mark.parametrize("chunk_rows", [1, 7, None])
-def test_same_loss_gradients_and_metrics_as_full_logits(kind, chunk_rows):
-    packed = batch(kind == "kl")
+@pytest.mark.parametrize("chunk_rows, lengths", [(1, (57, 90, 33)), (7, (57, 90, 8)), (None, (57, 90, 8))])
+def test_same_loss_gradients_and_metrics_as_full_logits(kind, chunk_rows, lengths):
+    """Training's path (split attention, chunked loss) against the reference (dense mask, full logits)."""
+    packed = batch(kind == "kl", lengths)
     reference = drafter()
     logits = forward_logits(reference, packed)
     want = loss_sum(logits, packed, kind)
@@ -95,3 +96,20 @@ def test_no_vocabulary_sized_tensor_is_kept_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         supervised_loss(final_hidden(model, packed), model.lm_head_weight, packed.labels, packed.weights, chunk_rows=16)
     assert saved and [s for s in saved if V in s and s != (V, H)] == []
+
+
+def test_split_block_attention_equals_the_dense_mask_including_padding_blocks():
+    """Every query's output (padding blocks too) from the anchors alone equals SDPA with the dense
+    [Q, T+Q] mask, in fp32."""
+    from pipeline.drafter.blocks import block_mask
+
+    packed = batch(False, lengths=(57, 90, 8))
+    assert bool((~packed.real_blocks).any())  # the pack has padding blocks (anchor 0)
+    model = drafter().eval()
+    with torch.no_grad():
+        allowed = block_mask(packed.anchors, packed.hidden.shape[1], B)
+        dense = model(packed.hidden, packed.block_ids, packed.block_pos, allowed, logits=False)
+        split = model(packed.hidden, packed.block_ids, packed.block_pos, anchors_BA=packed.anchors, logits=False)
+    torch.testing.assert_close(split, dense, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="exactly one"):
+        model(packed.hidden, packed.block_ids, packed.block_pos, allowed, anchors_BA=packed.anchors)

@@ -263,17 +263,46 @@ def test_a_damaged_checkpoint_is_a_clear_error(cache, tmp_path, uninterrupted):
     assert f"{weights}: unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-def test_two_process_ddp_matches_one_process(cache, tmp_path):
-    args = ["--max-steps", "8", "--log-every", "1", "--json"]
-    one = cli("train", "--cache", str(cache), "--out", str(tmp_path / "one"), *args, env={"OMP_NUM_THREADS": "1"})
-    assert one.returncode == 0, one.stderr
-    two = torchrun(2, "train", "--cache", str(cache), "--out", str(tmp_path / "two"), "--micro-batch-sequences", "2", *args)
+TWO_PROCESS = ["--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4", "--micro-batch-sequences", "2", "--json"]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("two") / "run"
+    two = torchrun(2, "train", "--cache", str(cache), "--out", str(run), *TWO_PROCESS)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert json.loads(two.stdout)["world_size"] == 2
-    for x, y in zip(read_log(tmp_path / "one"), read_log(tmp_path / "two"), strict=True):
+    return run, json.loads(two.stdout)
+
+
+def test_two_process_ddp_matches_one_process(cache, tmp_path, two_process_run):
+    """Two ranks (DDP, AdamW state sharded by ZeroRedundancyOptimizer) log what one process logs."""
+    one = cli("train", "--cache", str(cache), "--out", str(tmp_path / "one"), *TWO_PROCESS, env={"OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0, one.stderr
+    run, summary = two_process_run
+    assert summary["world_size"] == 2
+    assert "sharded over 2 ranks" in json.loads((run / "run.json").read_text())["optimizer"]
+    for x, y in zip(read_log(tmp_path / "one"), read_log(run), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), x["step"]
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4), x["step"]
         assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1e-6), x["step"]
+
+
+def test_two_process_resume_is_exact(cache, tmp_path, two_process_run):
+    """Resumed on two ranks from the step-4 checkpoint (the sharded optimizer state consolidated on
+    rank 0, split again on load), the run ends byte-identical to the uninterrupted one."""
+    whole, _ = two_process_run
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000008")
+    shutil.rmtree(run / "drafter")
+    resumed = torchrun(2, "train", "--cache", str(cache), "--out", str(run), *TWO_PROCESS)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run / "run.json").read_text())["resumed_from_step"] == 4
+    a, b = read_log(whole), read_log(run)
+    assert [x["step"] for x in b] == list(range(1, 9))
+    for x, y in zip(a, b):
+        assert {k: x[k] for k in SAME} == {k: y[k] for k in SAME}, x["step"]
+    assert (run / "drafter" / "model.safetensors").read_bytes() == (whole / "drafter" / "model.safetensors").read_bytes()
 
 
 def test_soft_kl_and_noise_options_train(cache, tmp_path):

@@ -134,9 +134,9 @@ def forward_logits(drafter, batch: PackedBatch) -> torch.Tensor:
 
 
 def final_hidden(drafter, batch: PackedBatch) -> torch.Tensor:
-    """The drafter's final normed states [S*A, B, H], what the lm_head takes (training's loss input)."""
-    allowed = block_mask(batch.anchors, batch.hidden.shape[1], batch.labels.shape[1])
-    out = drafter(batch.hidden, batch.block_ids, batch.block_pos, allowed, logits=False)
+    """The drafter's final normed states [S*A, B, H], what the lm_head takes (training's loss
+    input); attention from the anchors, without the dense mask (split_block_attention)."""
+    out = drafter(batch.hidden, batch.block_ids, batch.block_pos, anchors_BA=batch.anchors, logits=False)
     return out.view(batch.labels.shape[0], batch.labels.shape[1], -1)
 
 

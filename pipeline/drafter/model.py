@@ -76,7 +76,7 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
-    def forward(self, block_BQH, context_BTH, block_pos, context_pos, allowed_BQK):
+    def forward(self, block_BQH, context_BTH, block_pos, context_pos, allowed_BQK, anchors_BA):
         c = self.c
         b, q_len, _ = block_BQH.shape
         kv_in = torch.cat([context_BTH, block_BQH], dim=1)
@@ -87,8 +87,35 @@ class DraftAttention(nn.Module):
         k = rope(k, torch.cat([context_pos, block_pos], dim=1), c.rope_theta)
         repeat = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_BQK[:, None])
+        if anchors_BA is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_BQK[:, None])
+        else:
+            out = split_block_attention(q, k, v, context_BTH.shape[1], anchors_BA)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor) -> torch.Tensor:
+    """The attention of all anchors' blocks without the [Q, T+Q] mask: the context part [Q, T]
+    (key t visible to a query of the block at anchor a iff t < a) and the in-block part
+    [A, B, B] (bidirectional), normalised by one softmax over both. The Q x Q region of the dense
+    mask, where every block but the query's own is masked, is never formed (at the flagship
+    67 M of the 92 M mask entries per sequence). Same result as SDPA with `block_mask`."""
+    b, h, q_len, d = q.shape
+    a = anchors_BA.shape[1]
+    block = q_len // a
+    scale = d ** -0.5
+    kc, vc, kb, vb = k[:, :, :context_len], v[:, :, :context_len], k[:, :, context_len:], v[:, :, context_len:]
+    limit = anchors_BA.repeat_interleave(block, dim=1)                              # [b, Q]: anchor of each query
+    hidden_keys = torch.arange(context_len, device=q.device)[None, :] >= limit[..., None]  # [b, Q, T]
+    q = q * scale  # on [Q, d], not on the [Q, T] scores
+    # In place on the matmul's output (its backward needs q and k, not it): one [h, Q, T] buffer.
+    context = (q @ kc.transpose(-1, -2)).float().masked_fill_(hidden_keys[:, None], float("-inf"))
+    inner = (q.view(b, h, a, block, d) @ kb.view(b, h, a, block, d).transpose(-1, -2)).float()
+    p = torch.softmax(torch.cat([context, inner.view(b, h, q_len, block)], dim=-1), dim=-1).to(v.dtype)
+    del context
+    out = p[..., :context_len] @ vc
+    out = out + (p[..., context_len:].reshape(b, h, a, block, block) @ vb.view(b, h, a, block, d)).view(b, h, q_len, d)
+    return out
 
 
 class DraftLayer(nn.Module):
@@ -103,8 +130,8 @@ class DraftLayer(nn.Module):
             "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False),
         })
 
-    def forward(self, x, context, block_pos, context_pos, allowed):
-        x = x + self.self_attn(self.input_layernorm(x), context, block_pos, context_pos, allowed)
+    def forward(self, x, context, block_pos, context_pos, allowed, anchors):
+        x = x + self.self_attn(self.input_layernorm(x), context, block_pos, context_pos, allowed, anchors)
         h = self.post_attention_layernorm(x)
         return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
 
@@ -141,15 +168,20 @@ class DFlashDrafter(nn.Module):
         return self._frozen["lm_head"].weight
 
     def forward(self, hidden_BTNH: torch.Tensor, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor,
-                allowed_BQK: torch.Tensor, *, logits: bool = True) -> torch.Tensor:
+                allowed_BQK: torch.Tensor | None = None, *, anchors_BA: torch.Tensor | None = None,
+                logits: bool = True) -> torch.Tensor:
         """Logits [B, Q, V] for block tokens, given the tapped hidden states [B, T, n, H]; with
         `logits=False` the final normed states [B, Q, H] the lm_head would take (training computes
-        its loss from those a chunk at a time: pipeline/drafter/loss.py)."""
+        its loss from those a chunk at a time: pipeline/drafter/loss.py). Attention follows the
+        dense mask `allowed_BQK`, or, given the anchors of equal-size blocks instead, the same rule
+        without the mask (`split_block_attention`, what training uses)."""
+        if (allowed_BQK is None) == (anchors_BA is None):
+            raise ValueError("pass exactly one of allowed_BQK and anchors_BA")
         b, t = hidden_BTNH.shape[:2]
         context = self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
         context_pos = torch.arange(t, device=context.device).expand(b, t)
         x = self._frozen["embed"](block_ids_BQ).to(context.dtype)
         for layer in self.layers:
-            x = layer(x, context, block_pos_BQ, context_pos, allowed_BQK)
+            x = layer(x, context, block_pos_BQ, context_pos, allowed_BQK, anchors_BA)
         x = self.norm(x)
         return self._frozen["lm_head"](x) if logits else x
