@@ -121,7 +121,14 @@ class TrainConfig:
     num_hidden_layers: int = 5
     block_size: int = 16
     target_layer_ids: list[int] | None = None   # None: the cache's; set: must equal the cache's
-    mask_token: str = "<|MASK|>"
+    mask_token: str | int = "<|MASK|>"        # a token id, or a token string looked up in the target's tokenizer
+    # The drafter's own attention and MLP geometry; None: the target's (DESIGN 2: the reference
+    # drafter of a target may differ from it, as Qwen3.6-27B's does).
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rope_theta: float | None = None
     # Data.
     num_anchors: int = 512
     max_length: int = 3072

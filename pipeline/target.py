@@ -67,6 +67,13 @@ def read_target_facts(path: str | Path) -> TargetFacts:
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
+def reserved_token_ids(tokenizer) -> set[int]:
+    """The tokenizer's special and added tokens: ids that text never tokenizes to by accident, so
+    the ones a cache contains are worth recording (a mask id must be one of them, or a row past
+    the tokenizer's vocabulary)."""
+    return set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+
+
 def chat_template_sha256(tokenizer) -> str:
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
 

@@ -39,7 +39,14 @@ from pipeline.provenance import (
     weight_digests,
 )
 from pipeline.taps import TAP_CONVENTION, default_taps, validate_taps
-from pipeline.target import chat_template_sha256, load_model, load_tokenizer, read_target_facts, resolve_target
+from pipeline.target import (
+    chat_template_sha256,
+    load_model,
+    load_tokenizer,
+    read_target_facts,
+    reserved_token_ids,
+    resolve_target,
+)
 from pipeline.ui import ProgressBar
 
 
@@ -187,7 +194,18 @@ def prepare_samples(cfg: ExtractConfig, paths: list[Path], rows: range, masker: 
         counts["generated_by"][source] = counts["generated_by"].get(source, 0) + 1
         samples.append((item.sample_id, ids, mask))
     counts["reasoning_share"] = counts["reasoning_tokens"] / counts["supervised_tokens"] if counts["supervised_tokens"] else None
+    counts["special_ids"] = special_ids_seen(masker.tokenizer, samples)
     return samples, counts
+
+
+def special_ids_seen(tokenizer, samples: list) -> list[int]:
+    """Which reserved ids (special or added tokens, or past the tokenizer's vocabulary) occur in
+    the shard's input_ids: train checks its mask id against this instead of reading every token."""
+    if not samples:
+        return []
+    present = np.unique(np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids, _ in samples]))
+    reserved = reserved_token_ids(tokenizer)
+    return [int(i) for i in present if int(i) in reserved or i >= len(tokenizer)]
 
 
 def length_batches(samples: list, batch_tokens: int) -> list[list]:

@@ -109,25 +109,64 @@ def frozen_target_modules(target_dir: Path, dtype: torch.dtype = torch.float32) 
 
 
 def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps: list[int]) -> DrafterConfig:
-    from transformers import AutoTokenizer
-
     text = json.loads((target_dir / "config.json").read_text())
     text = text.get("text_config") or text
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    mask_id = tokenizer.convert_tokens_to_ids(cfg.mask_token)
-    if cfg.mask_token not in tokenizer.get_vocab() or mask_id is None:
-        raise PipelineError(f"{target_dir}: the tokenizer has no mask token {cfg.mask_token!r} (set mask_token)")
-    if mask_id >= facts.vocab_size:
-        raise PipelineError(f"{target_dir}: mask token {cfg.mask_token!r} id {mask_id} has no embedding row "
-                            f"(vocab_size {facts.vocab_size})")
+    heads = cfg.num_attention_heads or facts.num_attention_heads
     return DrafterConfig(
-        hidden_size=facts.hidden_size, intermediate_size=int(text["intermediate_size"]),
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=facts.num_attention_heads,
-        num_key_value_heads=facts.num_key_value_heads,
-        head_dim=int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
+        hidden_size=facts.hidden_size, intermediate_size=cfg.intermediate_size or int(text["intermediate_size"]),
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=cfg.num_key_value_heads or (facts.num_key_value_heads if not cfg.num_attention_heads else heads),
+        head_dim=cfg.head_dim or int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
         vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
-        mask_token_id=mask_id, block_size=cfg.block_size, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0))
+        mask_token_id=mask_token_id(cfg.mask_token, target_dir, facts), block_size=cfg.block_size,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+                                           or 10000.0))
+
+
+def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -> int:
+    """The mask id (DESIGN 2): an integer id, or a token string looked up in the target's
+    tokenizer; it must have an embedding row and be a reserved token (special or added) or a row
+    past the tokenizer's vocabulary, never an ordinary token that text produces."""
+    from pipeline.target import load_tokenizer, reserved_token_ids
+
+    tokenizer = load_tokenizer(target_dir)
+    if isinstance(mask_token, str):
+        if mask_token not in tokenizer.get_vocab():
+            raise PipelineError(f"{target_dir}: the tokenizer has no mask token {mask_token!r} (set mask_token to a "
+                                "token or an integer id)")
+        mask_id = int(tokenizer.convert_tokens_to_ids(mask_token))
+    else:
+        mask_id = int(mask_token)
+    if not 0 <= mask_id < facts.vocab_size:
+        raise PipelineError(f"{target_dir}: mask token {mask_token!r} id {mask_id} has no embedding row "
+                            f"(vocab_size {facts.vocab_size})")
+    if mask_id < len(tokenizer) and mask_id not in reserved_token_ids(tokenizer):
+        raise PipelineError(f"mask token id {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}) is an ordinary token "
+                            f"of the tokenizer: use a reserved special token or an unused row past its {len(tokenizer)} tokens")
+    return mask_id
+
+
+def check_mask_absent(reader: CacheReader, mask_id: int) -> None:
+    """Refuse a mask id that occurs in the cache's input_ids (the drafter could not tell a masked
+    slot from that token). Extract records the reserved ids each shard contains; a shard without
+    that record (written before it existed) has its input_ids read."""
+    found = []
+    for name in reader.shards:
+        seen = (reader.manifest.shards[name].counts or {}).get("special_ids")
+        if seen is not None:
+            hit = mask_id in seen
+        else:
+            shard = reader.shard(name)
+            step = 1 << 24
+            hit = any(bool((shard.read_range("input_ids", a, min(a + step, shard.num_tokens)) == mask_id).any())
+                      for a in range(0, shard.num_tokens, step))
+        if hit:
+            found.append(name)
+    if found:
+        raise PipelineError(f"mask token id {mask_id} occurs in the cache's input_ids ({', '.join(found[:4])}"
+                            f"{' and more' if len(found) > 4 else ''}): the drafter could not tell a masked slot from "
+                            "that token; choose another mask_token")
 
 
 def cache_identity(manifest: Manifest) -> dict:
@@ -214,6 +253,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
     taps = list(manifest.identity.capture.target_layer_ids)
     config = drafter_config(cfg, facts, target_dir, taps)
+    check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg, device) or torch.float32
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
     torch.manual_seed(cfg.seed)

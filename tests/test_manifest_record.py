@@ -173,3 +173,44 @@ def test_verify_and_train_compare_a_target_with_the_same_comparison(cache, embed
         cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(tmp_path / "run"), "target": str(other),
                                                    "max_steps": 1})
         run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+
+
+# --------------------------------------------------------------------------- the mask id
+
+
+def test_a_mask_id_that_occurs_in_the_data_is_refused(tmp_path, train_rows):
+    """Extract records the reserved ids each shard contains; train refuses a mask id among them,
+    and reads the input_ids of a shard that lacks the record (a cache written before it)."""
+    from stages.train import resolve_config, run_train
+
+    rows = train_rows[:20] + [{"input_ids": [10, 11, 499, 12, 13, 14, 15, 16], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 1]}]
+    cache = small_cache(tmp_path, rows, 2)
+    raw = manifest_json(cache)
+    assert 499 in raw["shards"]["shard-00001"]["counts"]["special_ids"]
+    assert 499 not in raw["shards"]["shard-00000"]["counts"]["special_ids"]
+
+    def train():
+        cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(tmp_path / "run"), "max_steps": 1})
+        run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+
+    message = r"mask token id 499 occurs in the cache's input_ids \(shard-00001\)"
+    with pytest.raises(PipelineError, match=message):
+        train()
+    for record in raw["shards"].values():
+        del record["counts"]["special_ids"]
+    (cache / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(PipelineError, match=message):
+        train()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_mask_token_may_be_an_id_and_must_be_reserved(cache, embedded):
+    from pipeline.target import read_target_facts
+    from stages.train import mask_token_id
+
+    facts = read_target_facts(embedded.TARGET_DIR)
+    assert mask_token_id(499, embedded.TARGET_DIR, facts) == mask_token_id("<|MASK|>", embedded.TARGET_DIR, facts) == 499
+    with pytest.raises(PipelineError, match="mask token id 20 .* is an ordinary token of the tokenizer"):
+        mask_token_id(20, embedded.TARGET_DIR, facts)
+    with pytest.raises(PipelineError, match="has no embedding row"):
+        mask_token_id(facts.vocab_size, embedded.TARGET_DIR, facts)
