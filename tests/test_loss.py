@@ -113,3 +113,27 @@ def test_split_block_attention_equals_the_dense_mask_including_padding_blocks():
     torch.testing.assert_close(split, dense, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="exactly one"):
         model(packed.hidden, packed.block_ids, packed.block_pos, allowed, anchors_BA=packed.anchors)
+
+
+@pytest.mark.parametrize("piece_anchors", [1, 2, 4, 100])
+def test_split_attention_in_checkpointed_pieces_equals_sdpa_with_the_mask(piece_anchors):
+    """Anchors in pieces (recomputed in backward): outputs and input gradients equal SDPA's with
+    the dense mask, padding blocks included."""
+    import torch.nn.functional as F
+
+    from pipeline.drafter.blocks import block_mask
+    from pipeline.drafter.model import split_block_attention
+
+    torch.manual_seed(0)
+    s, h, t, d, a = 2, 3, 20, 8, 5
+    anchors = torch.tensor([[1, 4, 9, 15, 19], [2, 3, 7, 0, 0]])  # the second sequence has 2 padding blocks
+    q = torch.randn(s, h, a * B, d, requires_grad=True)
+    k = torch.randn(s, h, t + a * B, d, requires_grad=True)
+    v = torch.randn(s, h, t + a * B, d, requires_grad=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask(anchors, t, B)[:, None])
+    got = split_block_attention(q, k, v, t, anchors, piece_anchors=piece_anchors)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn_like(want)
+    expected = torch.autograd.grad(want, (q, k, v), upstream)
+    for g, e in zip(torch.autograd.grad(got, (q, k, v), upstream), expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -94,28 +95,51 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
-def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor) -> torch.Tensor:
+# Queries per piece of `split_block_attention`: one piece's fp32 scores [heads, queries, T + B]
+# stay near this size; a piece's scores are recomputed in backward instead of kept.
+ATTENTION_PIECE_BYTES = 64 * 2**20
+
+
+def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, piece_anchors: int | None = None):
     """The attention of all anchors' blocks without the [Q, T+Q] mask: the context part [Q, T]
     (key t visible to a query of the block at anchor a iff t < a) and the in-block part
     [A, B, B] (bidirectional), normalised by one softmax over both. The Q x Q region of the dense
     mask, where every block but the query's own is masked, is never formed (at the flagship
-    67 M of the 92 M mask entries per sequence). Same result as SDPA with `block_mask`."""
+    67 M of the 92 M mask entries per sequence). Anchors are taken a piece at a time under
+    activation checkpointing, so the scores of one piece exist at once, in forward and again in
+    backward. Same result as SDPA with `block_mask`."""
     b, h, q_len, d = q.shape
     a = anchors_BA.shape[1]
     block = q_len // a
-    scale = d ** -0.5
-    kc, vc, kb, vb = k[:, :, :context_len], v[:, :, :context_len], k[:, :, context_len:], v[:, :, context_len:]
-    limit = anchors_BA.repeat_interleave(block, dim=1)                              # [b, Q]: anchor of each query
+    if piece_anchors is None:
+        piece_anchors = max(1, ATTENTION_PIECE_BYTES // (4 * b * h * block * (context_len + block)))
+    kc, vc = k[:, :, :context_len], v[:, :, :context_len]
+    pieces = []
+    for i in range(0, a, piece_anchors):
+        j = min(i + piece_anchors, a)
+        args = (q[:, :, i * block:j * block], kc, vc, k[:, :, context_len + i * block:context_len + j * block],
+                v[:, :, context_len + i * block:context_len + j * block], anchors_BA[:, i:j])
+        if torch.is_grad_enabled() and j - i < a:
+            pieces.append(torch.utils.checkpoint.checkpoint(_attention_piece, *args, use_reentrant=False))
+        else:
+            pieces.append(_attention_piece(*args))
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def _attention_piece(q, kc, vc, kb, vb, anchors_BA):
+    b, h, q_len, d = q.shape
+    a = anchors_BA.shape[1]
+    block, context_len = q_len // a, kc.shape[2]
+    limit = anchors_BA.repeat_interleave(block, dim=1)                                   # [b, Q]: each query's anchor
     hidden_keys = torch.arange(context_len, device=q.device)[None, :] >= limit[..., None]  # [b, Q, T]
-    q = q * scale  # on [Q, d], not on the [Q, T] scores
+    q = q * d ** -0.5  # on [Q, d], not on the [Q, T] scores
     # In place on the matmul's output (its backward needs q and k, not it): one [h, Q, T] buffer.
     context = (q @ kc.transpose(-1, -2)).float().masked_fill_(hidden_keys[:, None], float("-inf"))
     inner = (q.view(b, h, a, block, d) @ kb.view(b, h, a, block, d).transpose(-1, -2)).float()
-    p = torch.softmax(torch.cat([context, inner.view(b, h, q_len, block)], dim=-1), dim=-1).to(v.dtype)
+    p = torch.softmax(torch.cat([context, inner.view(b, h, q_len, block)], dim=-1), dim=-1).to(vc.dtype)
     del context
     out = p[..., :context_len] @ vc
-    out = out + (p[..., context_len:].reshape(b, h, a, block, block) @ vb.view(b, h, a, block, d)).view(b, h, q_len, d)
-    return out
+    return out + (p[..., context_len:].reshape(b, h, a, block, block) @ vb.view(b, h, a, block, d)).view(b, h, q_len, d)
 
 
 class DraftLayer(nn.Module):
