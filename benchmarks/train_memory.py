@@ -9,7 +9,9 @@ above the level before the step. The frozen embedding and lm_head (one tied fp32
 fit this machine) and the parameters are in that baseline, not in the step's peak.
 
   python benchmarks/train_memory.py --json                  # both paths, 32/64/128 anchors, 1 layer
-  python benchmarks/train_memory.py --anchors 64 --layers 2 # the per-layer increment
+  python benchmarks/train_memory.py --anchors 64 --layers 2 --json > l2.json    # per-layer increment
+  python benchmarks/train_memory.py --project one.json l2.json                   # the flagship projection
+  (--project pools the rows of any number of such outputs, e.g. one file per --paths)
 """
 
 from __future__ import annotations
@@ -94,6 +96,53 @@ def fit(rows: list[dict]) -> dict:
     return out
 
 
+def parameters(layers: int) -> int:
+    """Trainable parameters of the reference-geometry drafter (fc, norms, layers)."""
+    per_layer = (HIDDEN * 32 * 128 + 2 * HIDDEN * 8 * 128 + 32 * 128 * HIDDEN + 3 * HIDDEN * 17408
+                 + 2 * HIDDEN + 2 * 128)
+    return TAPS * HIDDEN * HIDDEN + 2 * HIDDEN + layers * per_layer
+
+
+def project(rows: list[dict]) -> dict:
+    """A projection, not a measurement, for the full preset (5 layers, 512 anchors x 16 = 8,192
+    queries, 3,072 tokens) on one GPU rank. From the CPU fp32 measurements: the 1-layer step peak
+    fitted linearly in queries, plus 4 x the increment of a second layer (measured at two query
+    counts, fitted linearly, never below the larger measured one), gives one sequence's step peak (activations and the gradients the
+    step allocates). A micro-batch of m sequences adds m - 1 times that peak less the gradients
+    (4 bytes a parameter). Static: frozen embed + lm_head (fp32 before, bf16 now), fp32
+    parameters, and AdamW's 8 bytes a parameter (divided by the ranks now: ZeRO). Assumed, not
+    measured: bf16 activations would be smaller than these fp32 ones; the CPU path's attention
+    keeps fp32 scores of one piece that flex attention on a GPU does not; the full path's dense
+    [Q, T+Q] attention grows faster than linearly, so its projection is an underestimate."""
+    q = 512 * BLOCK
+    params = parameters(5)
+    out = {"queries": q, "parameters": params}
+    for path, fitted in fit(rows).items():
+        one = {r["queries"]: r["step_peak_bytes"] for r in rows if r["path"] == path and r["layers"] == 1}
+        two = {r["queries"]: r["step_peak_bytes"] for r in rows if r["path"] == path and r["layers"] == 2}
+        if len(two) < 2 or not set(two) <= set(one):
+            continue
+        (qa, qb) = sorted(two)[:2]
+        inc_a, inc_b = two[qa] - one[qa], two[qb] - one[qb]
+        inc_slope = (inc_b - inc_a) / (qb - qa)
+        # Never below what was measured: a layer's increment includes its gradients, which do not shrink.
+        increment = max(inc_a + inc_slope * (q - qa), inc_a, inc_b)
+        step = fitted["intercept_bytes"] + fitted["bytes_per_query"] * q + 4 * increment
+        frozen = 2 * VOCAB * HIDDEN * (4 if path == "full" else 2)
+        per_extra_sequence = max(step - 4 * params, 0)
+        rows_out = {}
+        for world in (1, 8):
+            adam = 8 * params / (world if path == "chunked" else 1)
+            static = frozen + 4 * params + adam
+            rows_out[f"ranks={world}"] = {f"micro_batch={m}": round((static + step + (m - 1) * per_extra_sequence) / 1e9, 1)
+                                          for m in (1, 2, 4)}
+        out[path] = {"one_sequence_step_peak_GB": round(step / 1e9, 1),
+                     "layer_increment_GB": {str(qa): round(inc_a / 1e9, 2), str(qb): round(inc_b / 1e9, 2),
+                                            str(q) + " (fitted)": round(increment / 1e9, 2)},
+                     "frozen_GB": round(frozen / 1e9, 2), "projected_peak_GB": rows_out}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--anchors", type=int, nargs="+", default=[32, 64, 128])
@@ -101,7 +150,12 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=["full", "chunked"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", nargs=3, metavar=("PATH", "ANCHORS", "LAYERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--project", nargs="+", type=Path, metavar="JSON", help="outputs of --json runs to project from")
     args = parser.parse_args()
+    if args.project:
+        rows = [r for p in args.project for r in json.loads(p.read_text())["rows"] if "error" not in r]
+        print(json.dumps({"fit": fit(rows), "projection": project(rows)}, indent=1))
+        return
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
