@@ -24,9 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.train_throughput import setup, stream_batches, tokens  # noqa: E402
-from pipeline.config import ExtractConfig  # noqa: E402
-from stages.extract import run_extract  # noqa: E402
+from benchmarks.train_throughput import cache_or_extract, setup, stream_batches, tokens  # noqa: E402
 
 
 def run(runner, batches, state, full: bool) -> tuple[float, list[float]]:
@@ -46,11 +44,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cache = args.cache
-        if cache is None:
-            cache = Path(tmp) / "cache"
-            run_extract(ExtractConfig(cache=str(cache), num_shards=8), None, progress=False)
-        cfg, reader, runner = setup(cache)
+        cfg, reader, runner = setup(cache_or_extract(args.cache, tmp))
         batches = list(stream_batches(cfg, reader, runner, args.steps))
         state = copy.deepcopy((runner.drafter.state_dict(), runner.optimizer.state_dict()))
         rates = {"full": [], "chunked": []}

@@ -49,6 +49,15 @@ from stages.train import (
 )
 
 
+def cache_or_extract(cache: Path | None, tmp: str) -> Path:
+    """The given cache, or the embedded target's training conversations extracted into 8 shards under tmp."""
+    if cache is not None:
+        return cache
+    cache = Path(tmp) / "cache"
+    run_extract(ExtractConfig(cache=str(cache), num_shards=8), None, progress=False)
+    return cache
+
+
 def setup(cache: Path):
     cfg, _ = resolve_config(None, {"cache": str(cache), "out": str(cache.parent / "run")})
     reader = CacheReader(cache)
@@ -129,11 +138,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        cache = args.cache
-        if cache is None:
-            cache = Path(tmp) / "cache"
-            run_extract(ExtractConfig(cache=str(cache), num_shards=8), None, progress=False)
-        cfg, reader, runner = setup(cache)
+        cfg, reader, runner = setup(cache_or_extract(args.cache, tmp))
         batches = list(stream_batches(cfg, reader, runner, args.steps))
         rows = {"batched_tok_s": [], "loop_tok_s": [], "loader_tok_s": [], "trainer_mem_tok_s": [],
                 "trainer_stream_thread_tok_s": [], "trainer_stream_process_tok_s": []}
