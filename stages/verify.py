@@ -129,9 +129,9 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
                     tol *= 4  # the recompute itself rounds to bf16 (not yet measured on a GPU)
                 checks.append(check_recompute(reader, stratified_picks(reader, present, recompute, seed + 1), model, tol))
     else:
-        reason = no_target or "no committed shard to check"
-        checks.append(Check("loss_mask", True, f"skipped: no target to take the tokenizer and chat template from ({reason})",
-                            skipped=True))
+        reason = (f"no target to take the tokenizer and chat template from ({no_target})" if no_target
+                  else "no readable shard among those selected")
+        checks.append(Check("loss_mask", True, f"skipped: {reason}", skipped=True))
     seconds = time.perf_counter() - start
     tokens = sum(reader.manifest.shards[s].tokens for s in selected)
     return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],

@@ -17,6 +17,7 @@ schema-2 caches stay readable.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import types
@@ -44,9 +45,9 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def key(name: str, **metadata) -> Any:
+def key(name: str) -> Any:
     """A field stored under another JSON key than its attribute name."""
-    return field(metadata={"key": name, **metadata})
+    return field(metadata={"key": name})
 
 
 def label(text: str, **kwargs) -> Any:
@@ -190,10 +191,12 @@ def shard_claims(shard_identity: Mapping[str, Any]) -> dict[str, Any]:
     return {SHARD_IDENTITY_FIELDS.get(name, f"shard.{name}"): value for name, value in shard_identity.items()}
 
 
+_SHARD_NAMES = {path: name for name, path in SHARD_IDENTITY_FIELDS.items()}
+
+
 def shard_field_name(path: str) -> str:
     """The shard record's name for an identity field path (inverse of `shard_claims`)."""
-    names = {path: name for name, path in SHARD_IDENTITY_FIELDS.items()}
-    return names.get(path, path.removeprefix("shard."))
+    return _SHARD_NAMES.get(path, path.removeprefix("shard."))
 
 
 def _label_of(path: str) -> str:
@@ -203,9 +206,9 @@ def _label_of(path: str) -> str:
         found = {f.name: f for f in fields(cls)} if is_dataclass(cls) else {}
         if part not in found:
             break
-        if i == len(parts) - 1 or not is_dataclass(typing.get_type_hints(cls)[part]):
+        if i == len(parts) - 1 or not is_dataclass(_hints(cls)[part]):
             return found[part].metadata.get("label", path)
-        cls = typing.get_type_hints(cls)[part]
+        cls = _hints(cls)[part]
     return path
 
 
@@ -377,6 +380,11 @@ def update_manifest(cache_dir: Path, change: Callable[[Manifest | None], Manifes
     return manifest
 
 
+# Resolved once per record class: a manifest has a record per shard, and resolving the
+# (string) annotations is the costly part of parsing one.
+_hints = functools.cache(typing.get_type_hints)
+
+
 class _FieldError(Exception):
     pass
 
@@ -401,7 +409,7 @@ def _parse(tp: Any, value: Any, where: str) -> Any:
     if is_dataclass(tp):
         if not isinstance(value, dict):
             raise _FieldError(f"field '{name}' must be a mapping, got {type(value).__name__}")
-        hints, kwargs, known = typing.get_type_hints(tp), {}, set()
+        hints, kwargs, known = _hints(tp), {}, set()
         for f in fields(tp):
             if f.name == "extra":
                 continue

@@ -45,8 +45,8 @@ class EpochOrder:
         self.starts = [0]  # first position of each shard, in visiting order
         for name in self.names:
             self.starts.append(self.starts[-1] + shard_sizes[name])
-        self.windows = [range(i, min(i + mix_shards, len(self.names))) for i in range(0, len(self.names), mix_shards)]
-        self.window_starts = [self.starts[w.start] for w in self.windows] + [self.starts[-1]]
+        # First position of each window of `mix_shards` shards, and the end.
+        self.window_starts = self.starts[:-1][::mix_shards] + [self.starts[-1]]
         self._window: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
