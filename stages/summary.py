@@ -8,7 +8,6 @@ seconds on the tiny target.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.taps import default_taps
-from pipeline.target import load_model, load_tokenizer, read_target_facts
+from pipeline.target import chat_template_sha256, load_model, load_tokenizer, read_target_facts
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -76,7 +75,6 @@ def target_summary(target_dir: Path, *, heldout: Path | None = None, build_repor
                    num_check: int = 16, num_taps: int = 3) -> dict:
     facts = read_target_facts(target_dir)
     model, tokenizer = load_target(target_dir)
-    template = tokenizer.chat_template or ""
     mask_token = "<|MASK|>"
     summary = {
         "target_dir": str(target_dir),
@@ -92,7 +90,7 @@ def target_summary(target_dir: Path, *, heldout: Path | None = None, build_repor
         f"default_taps_{num_taps}": default_taps(facts.num_hidden_layers, num_taps),
         "mask_token_id": tokenizer.convert_tokens_to_ids(mask_token) if mask_token in tokenizer.get_vocab() else None,
         "end_of_turn": tokenizer.eos_token,
-        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "chat_template_sha256": chat_template_sha256(tokenizer),
     }
     if build_report is not None and build_report.is_file():
         report = json.loads(build_report.read_text())
