@@ -141,6 +141,7 @@ def train(
     loss: Annotated[Optional[str], typer.Option(help="'ce' (hard, target argmax) or 'kl' (soft, stored top-k).")] = None,
     noise_std: Annotated[Optional[float], typer.Option(help="Gaussian noise on the input context features (0: off).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="'auto' (bf16 autocast where supported), 'float32' or 'bfloat16'.")] = None,
+    attention: Annotated[Optional[str], typer.Option(help="Training attention: 'auto' (flex on CUDA, else split), 'flex' (BlockMask; CUDA) or 'split' (context + in-block parts).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed for init, data order, anchors and noise.")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Steps between train_log.jsonl lines.")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Steps between training checkpoints.")] = None,
@@ -160,7 +161,7 @@ def train(
                  "num_epochs": num_epochs, "lr": lr, "batch_sequences": batch_sequences,
                  "micro_batch_sequences": micro_batch_sequences, "num_anchors": num_anchors, "block_size": block_size,
                  "num_hidden_layers": num_hidden_layers, "loss": loss, "noise_std": noise_std, "dtype": dtype,
-                 "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
+                 "attention": attention, "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
                  "allow_mixed_provenance": allow_mixed_provenance, "allow_incomplete_cache": allow_incomplete_cache}
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = int(os.environ.get("RANK", "0")) == 0

@@ -129,6 +129,13 @@ class TrainConfig:
     head_dim: int | None = None
     intermediate_size: int | None = None
     rope_theta: float | None = None
+    max_position_embeddings: int | None = None
+    # Layer kinds (DESIGN 2), as transformers' Qwen3 config names them: None = every layer
+    # "full_attention"; "sliding_attention" layers see a window of `sliding_window` positions,
+    # causally inside the block (the serving engines' rule: pipeline/drafter/model.py).
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    attention: str = "auto"                  # training's attention: "auto" (flex on CUDA, else split) | "flex" | "split"
     # Data.
     num_anchors: int = 512
     max_length: int = 3072
@@ -183,6 +190,7 @@ class TrainConfig:
             (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}"),
             (self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}"),
+            (self.attention in ("auto", "flex", "split"), f"attention must be auto/flex/split, got {self.attention!r}"),
             (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
             (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),

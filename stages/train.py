@@ -34,7 +34,7 @@ from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_
 from pipeline.drafter.compat import PRESET_FIELDS, check_compatible, kernel_paths
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.loss import LOSS_PATH
-from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path
 from pipeline.drafter.step import StepRunner, all_sum, autocast_dtype
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.errors import PipelineError
@@ -112,16 +112,21 @@ def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps:
     text = json.loads((target_dir / "config.json").read_text())
     text = text.get("text_config") or text
     heads = cfg.num_attention_heads or facts.num_attention_heads
-    return DrafterConfig(
-        hidden_size=facts.hidden_size, intermediate_size=cfg.intermediate_size or int(text["intermediate_size"]),
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=heads,
-        num_key_value_heads=cfg.num_key_value_heads or (facts.num_key_value_heads if not cfg.num_attention_heads else heads),
-        head_dim=cfg.head_dim or int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
-        vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
-        mask_token_id=mask_token_id(cfg.mask_token, target_dir, facts), block_size=cfg.block_size,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
-                                           or 10000.0))
+    try:
+        return DrafterConfig(
+            hidden_size=facts.hidden_size, intermediate_size=cfg.intermediate_size or int(text["intermediate_size"]),
+            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=cfg.num_key_value_heads or (facts.num_key_value_heads if not cfg.num_attention_heads else heads),
+            head_dim=cfg.head_dim or int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
+            vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
+            mask_token_id=mask_token_id(cfg.mask_token, target_dir, facts), block_size=cfg.block_size,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+                                               or 10000.0),
+            max_position_embeddings=cfg.max_position_embeddings or int(text.get("max_position_embeddings", 32768)),
+            layer_types=cfg.layer_types, sliding_window=cfg.sliding_window)
+    except ValueError as e:
+        raise PipelineError(f"drafter config: {e}") from None
 
 
 def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -> int:
@@ -258,6 +263,11 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
+    drafter.attention = cfg.attention
+    path = attention_path(cfg.attention, device)
+    if path == "flex" and device.type != "cuda":
+        raise PipelineError(f"attention 'flex' needs a CUDA device (torch has no flex attention backward on {device.type}); "
+                            "use 'auto' or 'split'")
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, world)
     plan = make_plan(cfg, sum(manifest.shards[s].samples for s in reader.shards), world)
@@ -283,6 +293,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             "cache": str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "frozen_dtype": str(frozen_dtype).removeprefix("torch."), "loss_path": LOSS_PATH,
+            "attention_path": path,
             "optimizer": describe_optimizer(world),
             "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
             "incomplete_cache": incomplete if incomplete["missing"] else None,
@@ -343,7 +354,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         last = _last_logged(out / "train_log.jsonl")
     if rank == 0:
         drafter.eval()
-        export_drafter(drafter, out / "drafter")
+        export_drafter(drafter, out / "drafter", dtype=autocast_dtype(cfg, device))
     if world > 1:
         dist.barrier()
     return {"steps": step, "total_steps": plan.total_steps, "epochs": round(step / plan.steps_per_epoch, 3),

@@ -162,5 +162,9 @@ def test_export_round_trip_and_names(tmp_path):
                                    drafter(taps, block_ids[None], pos[None], allowed[None]))
     config["num_hidden_layers"] = 3
     (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PipelineError, match="config.json: not a DFlash drafter config .*layer_types has 2 entries for 3"):
+        load_drafter(out, embed=drafter._frozen["embed"], lm_head=drafter._frozen["lm_head"])
+    config["layer_types"] = ["full_attention"] * 3  # a consistent config that the weights do not match
+    (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(PipelineError, match="does not match its config"):
         load_drafter(out, embed=drafter._frozen["embed"], lm_head=drafter._frozen["lm_head"])

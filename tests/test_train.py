@@ -388,3 +388,30 @@ def test_bf16_autocast_trains_and_is_recorded(cache, tmp_path):
     assert json.loads((tmp_path / "bf16" / "run.json").read_text())["autocast"] == "torch.bfloat16"
     losses = [x["loss"] for x in read_log(tmp_path / "bf16")]
     assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+    # DESIGN 8: the export is in the training dtype, recorded.
+    assert json.loads((tmp_path / "bf16" / "drafter" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_sliding_window_layers_train_and_export(cache, tmp_path, embedded):
+    """A sliding-window layer then a full one (the flagship's layout, scaled down): it learns, the
+    attention path is recorded, and the export carries the layer kinds back into the same config."""
+    kinds = ["sliding_attention", "full_attention"]
+    train(cache, tmp_path / "swa", max_steps=30, warmup_steps=3, log_every=1, num_hidden_layers=2, layer_types=kinds,
+          sliding_window=24)
+    lines = read_log(tmp_path / "swa")
+    assert lines[-1]["loss"] < 0.7 * lines[0]["loss"], (lines[0]["loss"], lines[-1]["loss"])
+    run = json.loads((tmp_path / "swa" / "run.json").read_text())
+    assert run["attention_path"] == "split" and run["drafter"]["layer_types"] == kinds
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    drafter = load_drafter(tmp_path / "swa" / "drafter", embed=embed, lm_head=head)
+    assert drafter.config.layer_types == kinds and drafter.config.sliding_window == 24
+    with pytest.raises(PipelineError, match="drafter config: sliding_attention layers need sliding_window"):
+        train(cache, tmp_path / "bad1", max_steps=1, num_hidden_layers=2, layer_types=kinds)
+    with pytest.raises(PipelineError, match="drafter config: layer_types has 2 entries for 3 layers"):
+        train(cache, tmp_path / "bad2", max_steps=1, num_hidden_layers=3, layer_types=kinds, sliding_window=8)
+    refused = cli("train", "--cache", str(cache), "--out", str(tmp_path / "bad3"), "--max-steps", "1",
+                  "--attention", "flex")
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "attention 'flex' needs a CUDA device" in refused.stderr
+    for bad in ("bad1", "bad2", "bad3"):
+        assert not (tmp_path / bad / "checkpoints").exists()

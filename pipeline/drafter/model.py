@@ -11,19 +11,31 @@ side by side as queries, and a boolean mask lets block j see context positions <
 at inference the anchor has no target hidden state yet) and its own B slots (bidirectional),
 never another block.
 
+Layer kinds (`layer_types`, as transformers' Qwen3 config names them). A `full_attention` layer
+follows the rule above. A `sliding_attention` layer is what the serving engines run for it (vLLM
+resolves a sliding DFlash layer as causal with the window `sliding_window`; SGLang and the
+SpecForge trainer agree): the query at position p = a + k sees keys at positions in
+(p - W, p], so context t with p - W < t < a and block slots j <= k (causal inside the block).
+Transformers' own flash path would apply the same window non-causally and its SDPA path not at
+all; the export is meant for the engines, so training, eval and the export follow them.
+
 The token embedding and lm_head are the target's, frozen, and live outside this module.
 Cost per sequence: layers x (A*B queries) x (T + A*B keys).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(kw_only=True)
@@ -41,15 +53,31 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    extra: dict = field(default_factory=dict)
+    max_position_embeddings: int = 32768
+    layer_types: list[str] | None = None    # None: every layer "full_attention"
+    sliding_window: int | None = None        # W of the "sliding_attention" layers
 
     def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(f"layer_types: unknown kind {unknown[0]!r} (expected {FULL!r} or {SLIDING!r})")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +95,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, layer: int):
         super().__init__()
         self.c = c
+        self.window = c.window(layer)
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -77,7 +106,7 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
-    def forward(self, block_BQH, context_BTH, block_pos, context_pos, allowed_BQK, anchors_BA):
+    def forward(self, block_BQH, context_BTH, block_pos, context_pos, attend):
         c = self.c
         b, q_len, _ = block_BQH.shape
         kv_in = torch.cat([context_BTH, block_BQH], dim=1)
@@ -86,13 +115,25 @@ class DraftAttention(nn.Module):
         v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, c.head_dim).transpose(1, 2)
         q = rope(q, block_pos, c.rope_theta)
         k = rope(k, torch.cat([context_pos, block_pos], dim=1), c.rope_theta)
-        repeat = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if anchors_BA is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_BQK[:, None])
-        else:
-            out = split_block_attention(q, k, v, context_BTH.shape[1], anchors_BA)
+        out = attend(q, k, v, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def window_mask(query_pos_BQ: torch.Tensor, key_pos_BK: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, Q, K]: key visible to a sliding layer's query iff query_pos - window < key_pos <= query_pos."""
+    q, k = query_pos_BQ[..., :, None], key_pos_BK[..., None, :]
+    return (k <= q) & (k > q - window)
+
+
+def dense_attention(allowed_BQK, block_pos_BQ, context_pos_BT):
+    """Attention under an explicit mask [B, Q, T + Q] (eval's one block, and the reference);
+    a sliding layer further restricts it by position (`window_mask`)."""
+    key_pos = torch.cat([context_pos_BT, block_pos_BQ], dim=1)
+
+    def attend(q, k, v, window):
+        allowed = allowed_BQK if window is None else allowed_BQK & window_mask(block_pos_BQ, key_pos, window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+    return attend
 
 
 # Queries per piece of `split_block_attention`: one piece's fp32 scores [heads, queries, T + B]
@@ -100,15 +141,19 @@ class DraftAttention(nn.Module):
 ATTENTION_PIECE_BYTES = 64 * 2**20
 
 
-def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, piece_anchors: int | None = None):
+def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, window: int | None = None,
+                          piece_anchors: int | None = None):
     """The attention of all anchors' blocks without the [Q, T+Q] mask: the context part [Q, T]
     (key t visible to a query of the block at anchor a iff t < a) and the in-block part
     [A, B, B] (bidirectional), normalised by one softmax over both. The Q x Q region of the dense
     mask, where every block but the query's own is masked, is never formed (at the flagship
-    67 M of the 92 M mask entries per sequence). Anchors are taken a piece at a time under
-    activation checkpointing, so the scores of one piece exist at once, in forward and again in
-    backward. Same result as SDPA with `block_mask`."""
+    67 M of the 92 M mask entries per sequence). With a sliding `window` W, the query at a + k
+    also drops context t <= a + k - W and block slots j > k (and j <= k - W). Anchors are taken a
+    piece at a time under activation checkpointing, so the scores of one piece exist at once, in
+    forward and again in backward. Same result as SDPA with `block_mask` (and `window_mask`)."""
     b, h, q_len, d = q.shape
+    repeat = h // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     a = anchors_BA.shape[1]
     block = q_len // a
     if piece_anchors is None:
@@ -118,7 +163,7 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, p
     for i in range(0, a, piece_anchors):
         j = min(i + piece_anchors, a)
         args = (q[:, :, i * block:j * block], kc, vc, k[:, :, context_len + i * block:context_len + j * block],
-                v[:, :, context_len + i * block:context_len + j * block], anchors_BA[:, i:j])
+                v[:, :, context_len + i * block:context_len + j * block], anchors_BA[:, i:j], window)
         if torch.is_grad_enabled() and j - i < a:
             pieces.append(torch.utils.checkpoint.checkpoint(_attention_piece, *args, use_reentrant=False))
         else:
@@ -126,27 +171,89 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, p
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
-def _attention_piece(q, kc, vc, kb, vb, anchors_BA):
+def _attention_piece(q, kc, vc, kb, vb, anchors_BA, window):
     b, h, q_len, d = q.shape
     a = anchors_BA.shape[1]
     block, context_len = q_len // a, kc.shape[2]
     limit = anchors_BA.repeat_interleave(block, dim=1)                                   # [b, Q]: each query's anchor
-    hidden_keys = torch.arange(context_len, device=q.device)[None, :] >= limit[..., None]  # [b, Q, T]
+    t = torch.arange(context_len, device=q.device)[None, None, :]
+    hidden_keys = t >= limit[..., None]                                                  # [b, Q, T]
+    slot = torch.arange(block, device=q.device)
+    if window is not None:
+        hidden_keys |= t <= (limit + slot.repeat(a))[..., None] - window
     q = q * d ** -0.5  # on [Q, d], not on the [Q, T] scores
     # In place on the matmul's output (its backward needs q and k, not it): one [h, Q, T] buffer.
     context = (q @ kc.transpose(-1, -2)).float().masked_fill_(hidden_keys[:, None], float("-inf"))
     inner = (q.view(b, h, a, block, d) @ kb.view(b, h, a, block, d).transpose(-1, -2)).float()
+    if window is not None:  # causal inside the block, and the window (binds only when W < B)
+        inner = inner.masked_fill((slot[None, :] > slot[:, None]) | (slot[None, :] <= slot[:, None] - window), float("-inf"))
     p = torch.softmax(torch.cat([context, inner.view(b, h, q_len, block)], dim=-1), dim=-1).to(vc.dtype)
     del context
     out = p[..., :context_len] @ vc
     return out + (p[..., context_len:].reshape(b, h, a, block, block) @ vb.view(b, h, a, block, d)).view(b, h, q_len, d)
 
 
+def split_attention(anchors_BA, context_len: int):
+    def attend(q, k, v, window):
+        return split_block_attention(q, k, v, context_len, anchors_BA, window)
+    return attend
+
+
+def flex_attention(anchors_BA, context_len: int, query_len: int, windows: set, *, compiled: bool):
+    """torch's flex attention with a `BlockMask` from the anchors (one per window kind): tiles
+    of queries x keys that the rule masks entirely are skipped, so the cost follows the visible
+    keys (about a + B per query), not T + Q. CUDA in training (compiled); on the CPU torch runs
+    it forward only (eval, the equality tests). The rule is `split_block_attention`'s."""
+    from torch.nn.attention import flex_attention as fa
+
+    b, a = anchors_BA.shape
+    block, kv_len = query_len // a, context_len + query_len
+
+    def rule(window):
+        def mask_mod(batch, head, q_idx, kv_idx):
+            anchor, slot = anchors_BA[batch, q_idx // block], q_idx % block
+            j = kv_idx - context_len
+            context_ok = (kv_idx < context_len) & (kv_idx < anchor)
+            block_ok = (kv_idx >= context_len) & (j // block == q_idx // block)
+            if window is not None:
+                context_ok = context_ok & (kv_idx > anchor + slot - window)
+                block_ok = block_ok & (j % block <= slot) & (j % block > slot - window)
+            return context_ok | block_ok
+        return mask_mod
+
+    masks = {w: fa.create_block_mask(rule(w), b, None, query_len, kv_len, device=anchors_BA.device, _compile=compiled)
+             for w in windows}
+    kernel = _compiled_flex() if compiled else fa.flex_attention
+
+    def attend(q, k, v, window):
+        return kernel(q, k, v, block_mask=masks[window], enable_gqa=True)
+    return attend
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention as kernel
+    return torch.compile(kernel, dynamic=False)
+
+
+# How training attends: "flex" (a BlockMask; CUDA), "split" (split_block_attention; anywhere), or
+# "auto" (flex on CUDA, split elsewhere). Recorded in run.json as attention_path.
+ATTENTION_PATHS = ("auto", "flex", "split")
+
+
+def attention_path(requested: str, device: torch.device) -> str:
+    if requested not in ATTENTION_PATHS:
+        raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {requested!r}")
+    if requested == "auto":
+        return "flex" if device.type == "cuda" else "split"
+    return requested
+
+
 class DraftLayer(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, layer: int):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.self_attn = DraftAttention(c)
+        self.self_attn = DraftAttention(c, layer)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = nn.ModuleDict({
             "gate_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
@@ -154,8 +261,8 @@ class DraftLayer(nn.Module):
             "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False),
         })
 
-    def forward(self, x, context, block_pos, context_pos, allowed, anchors):
-        x = x + self.self_attn(self.input_layernorm(x), context, block_pos, context_pos, allowed, anchors)
+    def forward(self, x, context, block_pos, context_pos, attend):
+        x = x + self.self_attn(self.input_layernorm(x), context, block_pos, context_pos, attend)
         h = self.post_attention_layernorm(x)
         return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
 
@@ -169,7 +276,8 @@ class DFlashDrafter(nn.Module):
         n = len(c.target_layer_ids)
         self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
+        self.attention = "auto"  # how anchors-based attention runs: ATTENTION_PATHS
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         # Frozen and shared with the target: kept out of this module's parameters and state.
         self._frozen = {"embed": embed.requires_grad_(False), "lm_head": lm_head.requires_grad_(False)}
@@ -198,14 +306,22 @@ class DFlashDrafter(nn.Module):
         `logits=False` the final normed states [B, Q, H] the lm_head would take (training computes
         its loss from those a chunk at a time: pipeline/drafter/loss.py). Attention follows the
         dense mask `allowed_BQK`, or, given the anchors of equal-size blocks instead, the same rule
-        without the mask (`split_block_attention`, what training uses)."""
+        without a dense mask (`self.attention`: flex attention or `split_block_attention`, what
+        training uses). Sliding-window layers narrow either by position (module docstring)."""
         if (allowed_BQK is None) == (anchors_BA is None):
             raise ValueError("pass exactly one of allowed_BQK and anchors_BA")
         b, t = hidden_BTNH.shape[:2]
         context = self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
         context_pos = torch.arange(t, device=context.device).expand(b, t)
+        if allowed_BQK is not None:
+            attend = dense_attention(allowed_BQK, block_pos_BQ, context_pos)
+        elif attention_path(self.attention, context.device) == "flex":
+            windows = {self.config.window(i) for i in range(len(self.layers))}
+            attend = flex_attention(anchors_BA, t, block_ids_BQ.shape[1], windows, compiled=context.is_cuda)
+        else:
+            attend = split_attention(anchors_BA, t)
         x = self._frozen["embed"](block_ids_BQ).to(context.dtype)
         for layer in self.layers:
-            x = layer(x, context, block_pos_BQ, context_pos, allowed_BQK, anchors_BA)
+            x = layer(x, context, block_pos_BQ, context_pos, attend)
         x = self.norm(x)
         return self._frozen["lm_head"](x) if logits else x

@@ -1,0 +1,147 @@
+"""The export with sliding-window layers (DESIGN 2, 8) as others read it: transformers' Qwen3Config,
+the z-lab reference class `DFlashDraftModel`, and the flagship preset against DESIGN 2's numbers.
+
+The reference class is not vendored: the test imports it from a checkout of github.com/z-lab/dflash
+named by DFLASH_REFERENCE_SRC (or an installed `dflash` package) and skips without one. It loads
+our export strictly; for its attention it is given the serving engines' rule (a sliding layer:
+causal with the window; a full layer: bidirectional), written here from that rule, because the
+class itself applies `sliding_window` only under flash-attention (and not causally) and ignores it
+under SDPA. With that, its draft tokens must equal ours from `pipeline eval`'s drafting call."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from pipeline.drafter.export import export_drafter, load_drafter, read_config
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.errors import PipelineError
+from pipeline.speculative.decode import draft_logits
+
+H, V, TAPS = 32, 64, 3
+KINDS = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+def drafter(window=5, block=6, seed=0):
+    torch.manual_seed(seed)
+    config = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS), num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5], num_target_layers=8,
+                           mask_token_id=V - 1, block_size=block, rope_theta=50000.0, max_position_embeddings=4096,
+                           layer_types=KINDS, sliding_window=window)
+    head = torch.nn.Linear(H, V, bias=False)
+    torch.nn.init.normal_(head.weight, std=1.0)
+    model = DFlashDrafter(config, embed=torch.nn.Embedding(V, H), lm_head=head).eval()
+    for p in model.parameters():  # the RMSNorm weights too, so a swapped norm would show
+        p.data.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_export_records_the_layer_kinds_as_qwen3config_reads_them(tmp_path):
+    from transformers import Qwen3Config
+
+    model = drafter()
+    export_drafter(model, tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["layer_types"] == KINDS and raw["sliding_window"] == 5 and raw["use_sliding_window"] is True
+    assert raw["torch_dtype"] == "float32" and raw["rope_parameters"]["rope_theta"] == 50000.0
+    theirs = Qwen3Config.from_pretrained(tmp_path / "d")
+    assert theirs.layer_types == KINDS and theirs.sliding_window == 5
+    assert theirs.max_position_embeddings == 4096 and theirs.rope_parameters["rope_theta"] == 50000.0
+    assert read_config(tmp_path / "d") == model.config
+
+    export_drafter(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = load_drafter(tmp_path / "bf16", embed=model._frozen["embed"], lm_head=model._frozen["lm_head"])
+    assert loaded.fc.weight.dtype == torch.float32
+    torch.testing.assert_close(loaded.fc.weight, model.fc.weight.to(torch.bfloat16).float())
+
+
+def test_a_window_without_use_sliding_window_is_refused(tmp_path):
+    """Qwen3Config drops `sliding_window` unless `use_sliding_window` is true; sliding layers
+    without a window would run unwindowed in transformers and fail in vLLM: one-line error."""
+    export_drafter(drafter(), tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    raw["use_sliding_window"] = False
+    (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(PipelineError, match=r"config.json: not a DFlash drafter config .*sliding_window"):
+        read_config(tmp_path / "d")
+
+
+def test_flagship_preset_is_the_reference_geometry():
+    """DESIGN 2's reference drafter for Qwen3.6-27B, number by number."""
+    from stages.train import resolve_config
+
+    cfg, target = resolve_config(None, {"preset": "qwen3.6-27b", "cache": "nowhere"})
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5, 32, 8, 128)
+    assert (cfg.intermediate_size, cfg.rope_theta, cfg.max_position_embeddings) == (17408, 1e7, 262144)
+    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
+    assert (cfg.block_size, cfg.mask_token, cfg.target_layer_ids) == (16, 248070, [1, 16, 31, 46, 61])
+    assert (target["hidden_size"], target["vocab_size"]) == (5120, 248320)
+
+
+def reference_class():
+    src = os.environ.get("DFLASH_REFERENCE_SRC")
+    if src and src not in sys.path:
+        sys.path.insert(0, src)
+    try:
+        return importlib.import_module("dflash.model").DFlashDraftModel
+    except ImportError as e:
+        pytest.skip(f"the z-lab reference class is not importable ({e}); set DFLASH_REFERENCE_SRC to a checkout "
+                    "of github.com/z-lab/dflash to run this check")
+
+
+def engine_rule_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                          **kwargs):
+    """The serving engines' DFlash attention, from their rule: a sliding layer is causal with a
+    window (flash-attention window (W - 1, 0)); a full layer sees every key. Keys are [context ;
+    block] at positions 0..K-1 and the queries are the last positions."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+    if sliding_window is not None:
+        q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+        k_pos = torch.arange(k_len)[None, :]
+        scores = scores.masked_fill(~((k_pos <= q_pos) & (k_pos > q_pos - sliding_window)), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("context_len", [3, 9, 20])
+def test_reference_class_loads_the_export_strictly_and_drafts_the_same_tokens(tmp_path, context_len):
+    from transformers import AttentionInterface
+
+    cls = reference_class()
+    AttentionInterface.register("serving_engine_rule", engine_rule_attention)
+    ours = drafter()
+    export_drafter(ours, tmp_path / "d")
+    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule",
+                                       output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    theirs.eval()
+
+    torch.manual_seed(context_len)
+    context = torch.randn(context_len, TAPS, H)
+    anchor, block = 7, ours.config.block_size
+    mine = draft_logits(ours, context, anchor, context_len)
+    ids = torch.full((1, block), ours.config.mask_token_id)
+    ids[0, 0] = anchor
+    with torch.no_grad():
+        final = theirs(position_ids=torch.arange(context_len + block)[None],
+                       noise_embedding=ours._frozen["embed"](ids),
+                       target_hidden=context.reshape(1, context_len, TAPS * H))
+        reference = ours._frozen["lm_head"](final)[0, 1:]
+    torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == reference.argmax(-1).tolist()
+
+
+def test_the_window_binds_in_the_reference_comparison():
+    """The comparison above is not vacuous: with the window wide open, our drafts change."""
+    torch.manual_seed(20)
+    context = torch.randn(20, TAPS, H)
+    narrow, wide = drafter(window=5), drafter(window=10_000)
+    assert (draft_logits(narrow, context, 7, 20) - draft_logits(wide, context, 7, 20)).abs().max() > 1e-2
