@@ -1,0 +1,234 @@
+"""Stage two at the flagship shape on one GPU (issue 17): the checks a GPU node runs in a few
+minutes, printed as one JSON object (also written to --out).
+
+  python benchmarks/gpu_check.py --out gpu_check.json          # on a GPU node (H200 / 80 GB)
+  python benchmarks/gpu_check.py --smoke                        # the same code at toy sizes, CPU
+
+1. equality: a small drafter (hidden 1024, a sliding-window layer then a full one, 16 anchors),
+   fp32, the same batch and weights: loss and every parameter's gradient of the flex-attention
+   path and of the split path against the dense-mask path (max relative difference).
+2. the reference-geometry drafter (hidden 5120, 32 q / 8 kv heads of 128, intermediate 17408,
+   4 sliding-window (2048) layers + 1 full, vocabulary 248,320), random weights: full training
+   steps (forward with flex attention, the chunked loss, backward, AdamW) on sequences of 3,072
+   tokens x 512 anchors x block 16 under bf16 autocast, for micro-batches 1, 2, 4, 8 until one
+   does not fit: peak GPU memory and tokens/s of each that fits.
+3. the loss on the final hidden states of (2): ours (`pipeline/drafter/loss.py`) against Liger
+   Kernel's fused linear cross-entropy and cut-cross-entropy where installed (loss, gradient,
+   time, peak memory); "not installed" otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.drafter.batch import final_hidden, pack, prepare  # noqa: E402
+from pipeline.drafter.blocks import block_mask  # noqa: E402
+from pipeline.drafter.loss import LOSS_PATH, supervised_loss  # noqa: E402
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path  # noqa: E402
+
+TAPS = [1, 16, 31, 46, 61]
+FLAGSHIP = dict(hidden=5120, vocab=248_320, layers=5, heads=32, kv=8, head_dim=128, intermediate=17408, window=2048,
+                tokens=3072, anchors=512, block=16)
+SMOKE = dict(hidden=64, vocab=512, layers=2, heads=4, kv=2, head_dim=16, intermediate=128, window=32,
+             tokens=160, anchors=8, block=16)
+
+
+def make_drafter(s: dict, device, seed=0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    kinds = ["sliding_attention"] * (s["layers"] - 1) + ["full_attention"]
+    config = DrafterConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                           num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"],
+                           vocab_size=s["vocab"], target_layer_ids=TAPS, num_target_layers=64, mask_token_id=s["vocab"] - 2,
+                           block_size=s["block"], rope_theta=1e7, layer_types=kinds, sliding_window=s["window"])
+    frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):  # made where they run: the fp32 master weights, the frozen modules in bf16
+        embed = torch.nn.Embedding(s["vocab"], s["hidden"], dtype=frozen_dtype)
+        embed.weight.data.normal_(0, 0.02)
+        head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False, dtype=frozen_dtype)
+        head.weight.data.normal_(0, 0.02)
+        return DFlashDrafter(config, embed=embed, lm_head=head)
+
+
+def make_batch(s: dict, sequences: int, seed=0):
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(sequences):
+        n = s["tokens"]
+        sample = {"input_ids": rng.integers(0, s["vocab"] - 8, n), "loss_mask": np.ones(n, np.uint8),
+                  "target_argmax": rng.integers(0, s["vocab"] - 8, n),
+                  "hidden": rng.standard_normal((n, len(TAPS), s["hidden"]), dtype=np.float32)}
+        items.append(prepare(sample, block_size=s["block"], num_anchors=s["anchors"], max_length=n,
+                             mask_token_id=s["vocab"] - 2, gamma=7.0, generator=torch.Generator().manual_seed(seed + i)))
+    return pack(items, s["block"])
+
+
+def loss_and_grads(drafter, packed, path: str):
+    drafter.zero_grad(set_to_none=True)
+    if path == "dense":
+        allowed = block_mask(packed.anchors, packed.hidden.shape[1], packed.labels.shape[1])
+        final = drafter(packed.hidden, packed.block_ids, packed.block_pos, allowed, logits=False)
+        final = final.view(packed.labels.shape[0], packed.labels.shape[1], -1)
+    else:
+        drafter.attention = path
+        final = final_hidden(drafter, packed)
+    loss, _ = supervised_loss(final, drafter.lm_head_weight, packed.labels, packed.weights)
+    (loss / packed.weights.sum()).backward()
+    return float(loss / packed.weights.sum()), {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
+
+
+def equality(device, smoke: bool) -> dict:
+    s = dict(SMOKE) if smoke else dict(hidden=1024, vocab=32_000, layers=2, heads=8, kv=2, head_dim=128,
+                                       intermediate=2048, window=96, tokens=512, anchors=16, block=16)
+    drafter = make_drafter(s, device)
+    drafter.float()
+    packed = make_batch(s, 2).to(device)
+    ref_loss, ref = loss_and_grads(drafter, packed, "dense")
+    out = {}
+    for path in (["flex", "split"] if device.type == "cuda" else ["split"]):
+        loss, grads = loss_and_grads(drafter, packed, path)
+        rel = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref.items())
+        out[path] = {"loss": loss, "dense_loss": ref_loss, "loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss),
+                     "max_rel_grad_diff": rel}
+    return {"shape": s, "fp32": True, **out}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def steps(device, s: dict, micro: int, repeats: int) -> dict:
+    drafter = make_drafter(s, device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    packed = make_batch(s, micro).to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(repeats + 1):  # the first compiles flex attention: not timed
+        sync(device)
+        start = time.perf_counter()
+        with autocast:
+            final = final_hidden(drafter, packed)
+        loss, _ = supervised_loss(final, drafter.lm_head_weight, packed.labels, packed.weights)
+        (loss / packed.weights.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    tokens = micro * s["tokens"]
+    out = {"micro_batch": micro, "fits": True, "seconds_per_step": round(float(np.median(times)), 4),
+           "tokens_per_s": round(tokens / float(np.median(times)), 1), "loss": float(loss / packed.weights.sum()),
+           "attention_path": attention_path(drafter.attention, device)}
+    if device.type == "cuda":
+        out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
+def flagship(device, smoke: bool, repeats: int) -> list[dict]:
+    s = SMOKE if smoke else FLAGSHIP
+    rows = []
+    for micro in (1, 2, 4, 8):
+        try:
+            rows.append(steps(device, s, micro, repeats))
+        except torch.OutOfMemoryError as e:
+            rows.append({"micro_batch": micro, "fits": False, "error": str(e).splitlines()[0][:200]})
+            break
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if smoke and micro == 2:
+            break
+    return rows
+
+
+def fused_losses(device, smoke: bool) -> dict:
+    """Ours vs the fused kernels on the same final hidden states [N, H] (bf16) and lm_head."""
+    s = SMOKE if smoke else FLAGSHIP
+    n = s["anchors"] * (s["block"] - 1)  # supervised slots of one sequence
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    weight = (torch.randn(s["vocab"], s["hidden"], device=device) * 0.02).to(dtype)
+    hidden = torch.randn(n, s["hidden"], device=device).to(dtype)
+    labels = torch.randint(0, s["vocab"], (n,), device=device)
+
+    def ours(h):
+        loss, _ = supervised_loss(h[:, None], weight, labels[:, None], torch.ones(n, 1, device=device))
+        return loss / n
+
+    candidates = {"ours": ours}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss()
+        candidates["liger_fused_linear_cross_entropy"] = lambda h: liger(weight, h, labels)
+    except ImportError as e:
+        candidates["liger_fused_linear_cross_entropy"] = f"not installed ({e})"
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+        candidates["cut_cross_entropy"] = lambda h: linear_cross_entropy(h, weight, labels)
+    except ImportError as e:
+        candidates["cut_cross_entropy"] = f"not installed ({e})"
+    out, ref = {}, None
+    for name, fn in candidates.items():
+        if isinstance(fn, str) or device.type != "cuda" and name != "ours":
+            out[name] = fn if isinstance(fn, str) else "needs a GPU"
+            continue
+        try:
+            h = hidden.clone().requires_grad_(True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            sync(device)
+            start = time.perf_counter()
+            loss = fn(h)
+            loss.backward()
+            sync(device)
+            row = {"loss": float(loss), "seconds": round(time.perf_counter() - start, 4)}
+            if device.type == "cuda":
+                row["peak_above_inputs_GiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+            if ref is None:
+                ref = (float(loss), h.grad.float())
+            else:
+                row["loss_rel_diff_vs_ours"] = abs(float(loss) - ref[0]) / abs(ref[0])
+                row["max_abs_grad_diff_vs_ours"] = float((h.grad.float() - ref[1]).abs().max())
+            out[name] = row
+        except Exception as e:  # a kernel that fails here is reported, not fatal to the other checks
+            out[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return {"rows": n, "hidden": s["hidden"], "vocab": s["vocab"], "ours_path": LOSS_PATH, **out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="toy sizes (runs on a CPU)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per micro-batch size (after one untimed)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("no GPU: run with --smoke for the toy sizes")
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    for name, check in (("equality", lambda: equality(device, args.smoke)),
+                        ("flagship_steps", lambda: flagship(device, args.smoke, args.repeats)),
+                        ("loss_kernels", lambda: fused_losses(device, args.smoke))):
+        start = time.perf_counter()
+        result[name] = check()
+        result[f"{name}_wall_s"] = round(time.perf_counter() - start, 1)
+        print(json.dumps({name: result[name]}), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
