@@ -76,7 +76,7 @@ def test_the_oracle_reads_the_rule():
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("piece_anchors", [1, 2, None])
 def test_split_attention_follows_the_rule(window, piece_anchors):
-    """Outputs and q/k/v gradients of split_block_attention (anchors in checkpointed pieces) equal the oracle's."""
+    """Outputs and q/k/v gradients of split_block_attention (anchors in pieces) equal the oracle's."""
     q, k, v, anchors, t = inputs()
     want = oracle(q, k, v, anchors, t, window)
     got = split_block_attention(q, k, v, t, anchors, window, piece_anchors=piece_anchors)

@@ -116,8 +116,8 @@ def test_split_block_attention_equals_the_dense_mask_including_padding_blocks():
 
 
 @pytest.mark.parametrize("piece_anchors", [1, 2, 4, 100])
-def test_split_attention_in_checkpointed_pieces_equals_sdpa_with_the_mask(piece_anchors):
-    """Anchors in pieces (recomputed in backward): outputs and input gradients equal SDPA's with
+def test_split_attention_in_pieces_equals_sdpa_with_the_mask(piece_anchors):
+    """Anchors in pieces of 1, 2, 4 or all: outputs and input gradients equal SDPA's with
     the dense mask, padding blocks included."""
     import torch.nn.functional as F
 

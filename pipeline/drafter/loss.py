@@ -1,12 +1,12 @@
 """The training loss without full-vocabulary logits (issue 17): lm_head + cross-entropy (or the
-top-k KL) on the supervised slots only, a chunk of rows at a time, recomputed in backward.
+top-k KL) on the supervised slots only, a chunk of rows at a time, its gradient taken in the same pass.
 
 A flagship micro-step has 512 anchors x 16 slots = 8,192 queries and a 248,320-token vocabulary:
 full logits are 8 GB in fp32 per sequence, and the log-softmax, its gradient and the metrics'
 copy multiply that. Here a query's logits exist only inside one chunk of `chunk_rows` rows
-(about 256 MB at that vocabulary by default), once in forward and once again in backward; what
-autograd keeps is the final hidden state of the supervised slots [N, H] and one log-sum-exp per
-row. Unsupervised slots (weight 0: slot 0, past the end, outside the loss mask, padding) never
+(about 256 MB at that vocabulary by default), once: the loss, the metrics and the gradient
+w.r.t. the hidden states are all taken from them in forward (backward only scales that
+gradient), so autograd keeps one fp32 [N, H] tensor for the supervised slots. Unsupervised slots (weight 0: slot 0, past the end, outside the loss mask, padding) never
 reach the lm_head: their loss and gradient are zero in the full computation too.
 
 The lm_head is the target's, frozen: backward returns the gradient for the hidden states only.
@@ -21,7 +21,7 @@ import torch
 
 # Rows per chunk: keep one chunk's fp32 logits near this many bytes.
 CHUNK_BYTES = 256 * 2**20
-LOSS_PATH = "chunked torch (lm_head + loss on supervised slots, recomputed in backward)"
+LOSS_PATH = "chunked torch (lm_head + loss on supervised slots, gradient taken in forward)"
 
 
 def chunk_rows_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -42,38 +42,38 @@ class _LinearTargetLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, ids, probs, row_weights, chunk_rows, with_hits):
         total = torch.zeros((), dtype=torch.float64, device=h.device)
-        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         hits = torch.zeros(h.shape[0] if with_hits else 0, 3, dtype=torch.bool, device=h.device)
+        # The loss is a sum that backward only scales: its gradient w.r.t. h is computed here,
+        # from the chunk's logits while they exist, instead of recomputing them in backward
+        # (two lm_head matmuls a chunk, not three).
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
         top = min(8, weight.shape[0])
         for a in range(0, h.shape[0], chunk_rows):
             b = min(a + chunk_rows, h.shape[0])
             logits = _chunk_logits(h[a:b], weight)
-            lse[a:b] = torch.logsumexp(logits, dim=-1)
-            logq = logits.gather(-1, ids[a:b]) - lse[a:b, None]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            logq = logits.gather(-1, ids[a:b]) - lse
             p = probs[a:b]
             per_row = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
             total += (per_row * row_weights[a:b]).sum().double()
             if with_hits:
                 hit = logits.topk(top, dim=-1).indices == ids[a:b, :1]
                 hits[a:b, 0], hits[a:b, 1], hits[a:b, 2] = hit[:, 0], hit[:, :4].any(-1), hit.any(-1)
-        ctx.save_for_backward(h, weight, ids, probs, row_weights, lse)
-        ctx.chunk_rows = chunk_rows
+            if grad_h is not None:
+                # d/dlogits of sum_k p_k (log p_k - logq_k) = (sum_k p_k) softmax - p scattered at ids.
+                grad = logits.sub_(lse).exp_().mul_(p.sum(-1, keepdim=True))  # in place: the logits are done
+                grad.scatter_add_(-1, ids[a:b], -p)
+                grad.mul_(row_weights[a:b, None])
+                grad_h[a:b] = grad.to(weight.dtype) @ weight
+        ctx.save_for_backward(grad_h)
+        ctx.h_dtype = h.dtype
         ctx.mark_non_differentiable(hits)
         return total.to(torch.float32), hits
 
     @staticmethod
     def backward(ctx, grad_out, _grad_hits):
-        h, weight, ids, probs, row_weights, lse = ctx.saved_tensors
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        if grad_h is not None:
-            for a in range(0, h.shape[0], ctx.chunk_rows):
-                b = min(a + ctx.chunk_rows, h.shape[0])
-                # d/dlogits of sum_k p_k (log p_k - logq_k) = (sum_k p_k) softmax - p scattered at ids.
-                grad = torch.exp(_chunk_logits(h[a:b], weight) - lse[a:b, None]) * probs[a:b].sum(-1, keepdim=True)
-                grad.scatter_add_(-1, ids[a:b], -probs[a:b])
-                grad *= (row_weights[a:b] * grad_out)[:, None]
-                grad_h[a:b] = (grad.to(weight.dtype) @ weight).to(h.dtype)
-        return grad_h, None, None, None, None, None, None
+        (grad_h,) = ctx.saved_tensors
+        return (grad_h * grad_out).to(ctx.h_dtype), None, None, None, None, None, None
 
 
 def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 
@@ -136,61 +135,49 @@ def dense_attention(allowed_BQK, block_pos_BQ, context_pos_BT):
     return attend
 
 
-# Queries per piece of `split_block_attention`: one piece's fp32 scores [heads, queries, T + B]
-# stay near this size; a piece's scores are recomputed in backward instead of kept.
-ATTENTION_PIECE_BYTES = 64 * 2**20
+# Queries per piece of `split_block_attention` (16 anchors of 16): measured fastest on CPU at
+# hidden 1024 / 2,048 tokens x 512 anchors (BENCHMARKS.md, issue 17).
+PIECE_QUERIES = 256
 
 
 def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, window: int | None = None,
                           piece_anchors: int | None = None):
-    """The attention of all anchors' blocks without the [Q, T+Q] mask: the context part [Q, T]
-    (key t visible to a query of the block at anchor a iff t < a) and the in-block part
-    [A, B, B] (bidirectional), normalised by one softmax over both. The Q x Q region of the dense
-    mask, where every block but the query's own is masked, is never formed (at the flagship
-    67 M of the 92 M mask entries per sequence). With a sliding `window` W, the query at a + k
-    also drops context t <= a + k - W and block slots j > k (and j <= k - W). Anchors are taken a
-    piece at a time under activation checkpointing, so the scores of one piece exist at once, in
-    forward and again in backward. Same result as SDPA with `block_mask` (and `window_mask`)."""
+    """The attention of all anchors' blocks without the [Q, T+Q] mask. Anchors are taken a piece
+    at a time; a piece's queries attend, in one SDPA call (one softmax), to the context keys its
+    anchors can see ([lo, max anchor): t < a, and t > a + k - W in a sliding layer) and to the
+    piece's own blocks (bidirectional; causal with the window in a sliding layer). The Q x Q
+    region of the dense mask is never formed (at the flagship 67 M of the 92 M mask entries per
+    sequence), nor the context after a piece's last anchor (anchors are sorted: about half of
+    [Q, T]); SDPA keeps no scores for backward. Same result as SDPA with `block_mask` (and
+    `window_mask`): tests/test_attention_rule.py checks both against the rule."""
     b, h, q_len, d = q.shape
-    repeat = h // k.shape[1]
-    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     a = anchors_BA.shape[1]
     block = q_len // a
-    if piece_anchors is None:
-        piece_anchors = max(1, ATTENTION_PIECE_BYTES // (4 * b * h * block * (context_len + block)))
-    kc, vc = k[:, :, :context_len], v[:, :, :context_len]
-    pieces = []
-    for i in range(0, a, piece_anchors):
-        j = min(i + piece_anchors, a)
-        args = (q[:, :, i * block:j * block], kc, vc, k[:, :, context_len + i * block:context_len + j * block],
-                v[:, :, context_len + i * block:context_len + j * block], anchors_BA[:, i:j], window)
-        if torch.is_grad_enabled() and j - i < a:
-            pieces.append(torch.utils.checkpoint.checkpoint(_attention_piece, *args, use_reentrant=False))
-        else:
-            pieces.append(_attention_piece(*args))
-    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
-
-
-def _attention_piece(q, kc, vc, kb, vb, anchors_BA, window):
-    b, h, q_len, d = q.shape
-    a = anchors_BA.shape[1]
-    block, context_len = q_len // a, kc.shape[2]
-    limit = anchors_BA.repeat_interleave(block, dim=1)                                   # [b, Q]: each query's anchor
-    t = torch.arange(context_len, device=q.device)[None, None, :]
-    hidden_keys = t >= limit[..., None]                                                  # [b, Q, T]
+    piece_anchors = piece_anchors or max(1, PIECE_QUERIES // block)
+    starts = list(range(0, a, piece_anchors))
+    bounds = torch.stack([torch.stack([anchors_BA[:, i:i + piece_anchors].min(), anchors_BA[:, i:i + piece_anchors].max()])
+                          for i in starts]).tolist()  # one device sync for all pieces
     slot = torch.arange(block, device=q.device)
-    if window is not None:
-        hidden_keys |= t <= (limit + slot.repeat(a))[..., None] - window
-    q = q * d ** -0.5  # on [Q, d], not on the [Q, T] scores
-    # In place on the matmul's output (its backward needs q and k, not it): one [h, Q, T] buffer.
-    context = (q @ kc.transpose(-1, -2)).float().masked_fill_(hidden_keys[:, None], float("-inf"))
-    inner = (q.view(b, h, a, block, d) @ kb.view(b, h, a, block, d).transpose(-1, -2)).float()
-    if window is not None:  # causal inside the block, and the window (binds only when W < B)
-        inner = inner.masked_fill((slot[None, :] > slot[:, None]) | (slot[None, :] <= slot[:, None] - window), float("-inf"))
-    p = torch.softmax(torch.cat([context, inner.view(b, h, q_len, block)], dim=-1), dim=-1).to(vc.dtype)
-    del context
-    out = p[..., :context_len] @ vc
-    return out + (p[..., context_len:].reshape(b, h, a, block, block) @ vb.view(b, h, a, block, d)).view(b, h, q_len, d)
+    pieces = []
+    for i, (low_anchor, high) in zip(starts, bounds):
+        j = min(i + piece_anchors, a)
+        low = 0 if window is None else max(0, low_anchor - window + 1)
+        high = max(high, low)
+        keys = torch.cat([k[:, :, low:high], k[:, :, context_len + i * block:context_len + j * block]], dim=2)
+        values = torch.cat([v[:, :, low:high], v[:, :, context_len + i * block:context_len + j * block]], dim=2)
+        anchor = anchors_BA[:, i:j].repeat_interleave(block, dim=1)[..., None]          # [b, Qp, 1]
+        t = torch.arange(low, high, device=q.device)
+        sees_context = t < anchor
+        own = torch.arange((j - i) * block, device=q.device) // block
+        sees_block = own[:, None] == own[None, :]
+        if window is not None:
+            k_slot = slot.repeat(j - i)
+            sees_context = sees_context & (t > anchor + k_slot[:, None] - window)
+            sees_block = sees_block & (k_slot[None, :] <= k_slot[:, None]) & (k_slot[None, :] > k_slot[:, None] - window)
+        allowed = torch.cat([sees_context, sees_block.expand(b, -1, -1)], dim=-1)
+        pieces.append(F.scaled_dot_product_attention(q[:, :, i * block:j * block], keys, values,
+                                                     attn_mask=allowed[:, None], enable_gqa=True))
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
 def split_attention(anchors_BA, context_len: int):
