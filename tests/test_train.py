@@ -263,7 +263,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(cache, tmp_path, uninterrupted):
     assert f"{weights}: unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-TWO_PROCESS = ["--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4", "--micro-batch-sequences", "2", "--json"]
+TWO_PROCESS = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "6", "--micro-batch-sequences", "2", "--json"]
 
 
 @pytest.fixture(scope="module")
@@ -288,18 +288,18 @@ def test_two_process_ddp_matches_one_process(cache, tmp_path, two_process_run):
 
 
 def test_two_process_resume_is_exact(cache, tmp_path, two_process_run):
-    """Resumed on two ranks from the step-4 checkpoint (the sharded optimizer state consolidated on
+    """Resumed on two ranks from the step-6 checkpoint (the sharded optimizer state consolidated on
     rank 0, split again on load), the run ends byte-identical to the uninterrupted one."""
     whole, _ = two_process_run
     run = tmp_path / "run"
     shutil.copytree(whole, run)
-    shutil.rmtree(run / "checkpoints" / "step-00000008")
+    shutil.rmtree(run / "checkpoints" / "step-00000012")
     shutil.rmtree(run / "drafter")
     resumed = torchrun(2, "train", "--cache", str(cache), "--out", str(run), *TWO_PROCESS)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((run / "run.json").read_text())["resumed_from_step"] == 4
+    assert json.loads((run / "run.json").read_text())["resumed_from_step"] == 6
     a, b = read_log(whole), read_log(run)
-    assert [x["step"] for x in b] == list(range(1, 9))
+    assert [x["step"] for x in b] == list(range(1, 13))
     for x, y in zip(a, b):
         assert {k: x[k] for k in SAME} == {k: y[k] for k in SAME}, x["step"]
     assert (run / "drafter" / "model.safetensors").read_bytes() == (whole / "drafter" / "model.safetensors").read_bytes()
