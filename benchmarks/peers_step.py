@@ -3,7 +3,9 @@ vllm-project/speculators 0.9.x and sgl-project SpecForge 0.2.x, on the same batc
 anchors.
 
     PEERS_PY benchmarks/peers_step.py [--config small|h1024] [--rounds 3] [--layers N]
-                                      [--peers speculators,specforge] [--profile] [--json]
+                                      [--peers speculators,specforge|none] [--profile] [--json]
+
+(default: h1024, 3 rounds, about 5 minutes on 2 cores; `--config small` about 30 s)
 
 PEERS_PY is a python that can import torch, this repository's `pipeline` (put on sys.path here,
 nothing to install) and the peers, which are installed without their serving dependencies:
@@ -35,8 +37,8 @@ cross-entropy with decay weights exp(-(k-1)/gamma), gamma 7, slot 0 unsupervised
 
 Each implementation's step is its training forward as shipped (mask building, target labels,
 loss) plus `loss.backward()`, fp32:
-- ours: `final_hidden` (split block attention, no mask) + `supervised_loss` (chunked lm_head +
-  CE on the supervised slots, recomputed in backward), divided by sum(w);
+- ours: the trainer's path, `final_hidden` (split block attention, no dense mask) +
+  `supervised_loss` (chunked lm_head + CE on the supervised slots only), divided by sum(w);
 - speculators: `DFlashDraftModel.forward` with attention `sdpa` and the dense boolean mask its
   `create_mask` builds ([Q, T+Q]), the eager `ce` loss (`--loss-implementation eager`: the fused
   one is Triton-only) over full [Q, V] logits, and its targets = argmax of the verifier lm_head
@@ -45,14 +47,17 @@ loss) plus `loss.backward()`, fp32:
   comparison (gradients likewise, by the same constant);
 - SpecForge: `OnlineDFlashModel` with attention backend `sdpa` (dense boolean [Q, T+Q] mask)
   and its chunked (128 blocks, checkpointed) lm_head + CE objective, normalised by sum(w).
-Both peers default to flex attention; on this CPU build we use their SDPA path (see the report).
+Both peers default to flex attention, which has no backward on the CPU (torch 2.13 raises
+"FlexAttention does not support backward on CPU"), hence their SDPA paths.
 
 First one step of each from zero gradients: the losses (relative difference to ours) and, on
 every trainable parameter, the gradient difference (max abs, and max abs over the parameter's
 max |grad|, worst parameter). Then `--rounds` rounds, each timing one step of every
 implementation in an order that alternates between rounds; the median seconds per step and our
-speed over each peer's. `--profile` adds a breakdown of our step (forward pieces, loss,
-backward) and the top operators by CPU time.
+speed over each peer's (also on this process's CPU time, steadier on a shared machine, where
+OpenMP's spinning threads still inflate it). `--profile` adds a breakdown of our step (forward
+modules, the loss (whose gradient may be taken in its forward), backward, kernel time and page
+faults) and the top operators by self CPU time.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import argparse
 import contextlib
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -74,7 +80,7 @@ from torch import nn  # noqa: E402
 
 from pipeline.drafter.batch import SequenceBlocks, final_hidden, pack  # noqa: E402
 from pipeline.drafter.blocks import block_targets, block_tokens  # noqa: E402
-from pipeline.drafter.loss import supervised_loss  # noqa: E402
+from pipeline.drafter.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
 
@@ -169,7 +175,7 @@ def build_batch(g: Geometry, head_weight: torch.Tensor, seed: int) -> Batch:
 
 class Ours:
     name = "ours"
-    attention = "split block attention (no mask), chunked lm_head + CE on supervised slots"
+    attention = f"split_block_attention (no dense mask); loss: {LOSS_PATH}"
 
     def __init__(self, drafter: DFlashDrafter, b: Batch, g: Geometry):
         self.model = drafter
@@ -190,7 +196,7 @@ class Ours:
         self.model.zero_grad(set_to_none=True)
         loss = self.forward()
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     def grads(self):
         return {k: p.grad for k, p in self.params().items()}
@@ -227,7 +233,7 @@ def copy_shared(ours: DFlashDrafter, peer: nn.Module, prefix: str = "") -> list[
 class Speculators:
     name = "speculators"
 
-    def __init__(self, ours: DFlashDrafter, b: Batch, g: Geometry, attn: str):
+    def __init__(self, ours: DFlashDrafter, b: Batch, g: Geometry):
         import speculators
         from speculators.config import SpeculatorsConfig, VerifierConfig
         from speculators.losses import resolve_loss_config
@@ -236,11 +242,9 @@ class Speculators:
         from speculators.proposals.greedy import GreedyTokenProposalConfig
 
         self.version = speculators.__version__ if hasattr(speculators, "__version__") else _dist_version("speculators")
-        attn_impl = {"sdpa": "sdpa", "flex": "simple_flex_attention"}[attn]
-        self.attention = {"sdpa": "SDPA with the dense boolean [Q, T+Q] mask (create_mask)",
-                          "flex": "flex_attention (eager, CPU) with a compiled create_block_mask"}[attn]
+        self.attention = "SDPA with the dense boolean [Q, T+Q] mask (create_mask); eager CE on full [Q, V] logits"
         config = DFlashSpeculatorConfig(
-            transformer_layer_config=qwen3_config(g, attn_impl), draft_vocab_size=g.vocab, block_size=g.block,
+            transformer_layer_config=qwen3_config(g, "sdpa"), draft_vocab_size=g.vocab, block_size=g.block,
             aux_hidden_state_layer_ids=list(ours.config.target_layer_ids), mask_token_id=g.vocab - 1,
             speculators_config=SpeculatorsConfig(
                 algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block - 1)],
@@ -282,14 +286,14 @@ class Speculators:
 class SpecForge:
     name = "specforge"
 
-    def __init__(self, ours: DFlashDrafter, b: Batch, g: Geometry, attn: str):
+    def __init__(self, ours: DFlashDrafter, b: Batch, g: Geometry):
         from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
         from specforge.modeling.draft.dflash import DFlashDraftModel
 
         self.version = _dist_version("specforge")
-        self.attention = {"sdpa": "SDPA with the dense boolean [Q, T+Q] mask (create_dflash_sdpa_mask)",
-                          "flex": "flex_attention (transformers' integration) with create_block_mask"}[attn]
-        config = qwen3_config(g, {"sdpa": "sdpa", "flex": "flex_attention"}[attn])
+        self.attention = ("SDPA with the dense boolean [Q, T+Q] mask (create_dflash_sdpa_mask); "
+                          "lm_head + CE in checkpointed chunks of 128 blocks")
+        config = qwen3_config(g, "sdpa")
         config.block_size = g.block
         config.num_target_layers = ours.config.num_target_layers
         config.dflash_config = {"target_layer_ids": list(ours.config.target_layer_ids), "mask_token_id": g.vocab - 1}
@@ -299,7 +303,7 @@ class SpecForge:
         # The target's frozen modules: the same tensors as ours.
         self.model = OnlineDFlashModel(
             draft_model=draft, target_lm_head=ours._frozen["lm_head"], target_embed_tokens=ours._frozen["embed"],
-            mask_token_id=g.vocab - 1, block_size=g.block, attention_backend={"sdpa": "sdpa", "flex": "flex_attention"}[attn],
+            mask_token_id=g.vocab - 1, block_size=g.block, attention_backend="sdpa",
             num_anchors=g.anchors, loss_decay_gamma=g.gamma, loss_type="dflash")
         anchors = b.anchors[None].clone()
         self.model._sample_anchor_positions = lambda seq_len, loss_mask, device: (
@@ -311,11 +315,18 @@ class SpecForge:
         self.model.draft_model.zero_grad(set_to_none=True)
         loss, _, _ = self.model(*self.args)
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     def grads(self):
         params = dict(self.model.draft_model.named_parameters())
         return {k: params[k].grad for k in self.shared}
+
+
+def _load() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def _dist_version(name: str) -> str:
@@ -342,10 +353,12 @@ def compare(ours_loss: float, ours_grads: dict, loss: float, grads: dict) -> dic
             "grad_rel_l2_diff": math.sqrt(num / den)}
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed_both(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds, user + system): the CPU time is the steadier
+    number on a machine shared with other work."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def profile_ours(impl: Ours, rows: int = 15) -> dict:
@@ -364,18 +377,8 @@ def profile_ours(impl: Ours, rows: int = 15) -> dict:
         return pre, post
 
     handles = []
-    watched = {"fc": model.fc, "hidden_norm": model.hidden_norm}
-    for i, layer in enumerate(model.layers):
-        watched[f"layer{i}.input_layernorm"] = layer.input_layernorm
-        watched[f"layer{i}.self_attn"] = layer.self_attn
-        watched[f"layer{i}.self_attn.q_proj"] = layer.self_attn.q_proj
-        watched[f"layer{i}.self_attn.k_proj"] = layer.self_attn.k_proj
-        watched[f"layer{i}.self_attn.v_proj"] = layer.self_attn.v_proj
-        watched[f"layer{i}.self_attn.o_proj"] = layer.self_attn.o_proj
-        watched[f"layer{i}.post_attention_layernorm"] = layer.post_attention_layernorm
-        for k in ("gate_proj", "up_proj", "down_proj"):
-            watched[f"layer{i}.mlp.{k}"] = layer.mlp[k]
-    watched["norm"] = model.norm
+    watched = {name: m for name, m in model.named_modules()
+               if name and (isinstance(m, (nn.Linear, nn.RMSNorm)) or name.endswith("self_attn"))}
     for key, module in watched.items():
         pre, post = hook_pair(key)
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
@@ -392,10 +395,9 @@ def profile_ours(impl: Ours, rows: int = 15) -> dict:
         h.remove()
     phases = {"forward_drafter_s": t1 - t0, "forward_loss_s": t2 - t1, "backward_s": t3 - t2, "step_s": t3 - t0,
               "forward_modules_s": {k: round(v, 4) for k, v in spans.items()}}
-    for i in range(len(model.layers)):
-        attn = spans[f"layer{i}.self_attn"]
-        proj = sum(spans[f"layer{i}.self_attn.{k}"] for k in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        phases[f"layer{i}.attention_core_forward_s"] = round(attn - proj, 4)  # rope, norms, split attention
+    for name in [n for n in spans if n.endswith("self_attn")]:
+        inner = sum(v for k, v in spans.items() if k.startswith(name + ".") and isinstance(watched[k], nn.Linear))
+        phases[f"{name}.core_forward_s"] = round(spans[name] - inner, 4)  # norms, rope, the attention itself
     # Backward split: the loss's backward alone (grad of the final states), then the rest.
     model.zero_grad(set_to_none=True)
     final = final_hidden(model, impl.packed)
@@ -407,6 +409,17 @@ def profile_ours(impl: Ours, rows: int = 15) -> dict:
     final.backward(leaf.grad)
     t2 = time.perf_counter()
     phases["backward_loss_s"], phases["backward_drafter_s"] = t1 - t0, t2 - t1
+    # Kernel time: fresh pages of large temporaries (glibc hands each one back to the system when
+    # it is freed, so every step faults them in again).
+    model.zero_grad(set_to_none=True)
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    impl.step()
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    phases["step_wall_s"] = t1 - t0
+    phases["step_user_cpu_s"] = r1.ru_utime - r0.ru_utime
+    phases["step_sys_cpu_s"] = r1.ru_stime - r0.ru_stime
+    phases["step_minor_page_faults"] = r1.ru_minflt - r0.ru_minflt
+    model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         impl.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
@@ -422,7 +435,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="drafter layers (default: the config's)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (each: one step of every implementation)")
     parser.add_argument("--peers", default="speculators,specforge", help="comma-separated subset, or 'none'")
-    parser.add_argument("--attn", choices=["sdpa", "flex"], default="sdpa", help="the peers' attention path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="also break our step down (a few extra steps)")
@@ -440,27 +452,30 @@ def main() -> None:
     peers = [] if args.peers == "none" else [p.strip() for p in args.peers.split(",") if p.strip()]
     for p in peers:
         cls = {"speculators": Speculators, "specforge": SpecForge}[p]
-        impls.append(cls(ours_model, batch, g, args.attn))
+        impls.append(cls(ours_model, batch, g))
 
     # Correctness (also the warm-up): one step each from zero grads, same weights.
-    first = {}
-    for impl in impls:
-        seconds = timed(lambda: first.__setitem__(impl.name, (impl.step(), impl.grads())))
-        first[impl.name] += (seconds,)
-    ours_loss, ours_grads, _ = first["ours"]
-    checks = {impl.name: compare(ours_loss, ours_grads, first[impl.name][0], first[impl.name][1])
-              for impl in impls[1:]}
-    for impl in impls:
+    ours_loss = impls[0].step()
+    ours_grads = {k: v.clone() for k, v in impls[0].grads().items()}
+    impls[0].model.zero_grad(set_to_none=True)
+    checks = {}
+    for impl in impls[1:]:
+        loss = impl.step()
+        checks[impl.name] = compare(ours_loss, ours_grads, loss, impl.grads())
         impl.model.zero_grad(set_to_none=True)
-    del first, ours_grads
+    del ours_grads
 
     times = {impl.name: [] for impl in impls}
+    cpu = {impl.name: [] for impl in impls}
     for r in range(args.rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         for impl in order:
-            times[impl.name].append(timed(impl.step))
+            wall, used = timed_both(impl.step)
+            times[impl.name].append(wall)
+            cpu[impl.name].append(used)
             impl.model.zero_grad(set_to_none=True)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
 
     result = {
         "config": args.config, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -474,6 +489,9 @@ def main() -> None:
         "all_seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "ours_speedup": {k: round(v / med["ours"], 2) for k, v in med.items() if k != "ours"},
         "ours_speedup_min": {k: round(min(v) / min(times["ours"]), 2) for k, v in times.items() if k != "ours"},
+        "cpu_seconds_per_step": {k: round(v, 3) for k, v in med_cpu.items()},
+        "ours_speedup_cpu": {k: round(v / med_cpu["ours"], 2) for k, v in med_cpu.items() if k != "ours"},
+        "load_average_1min": round(_load(), 2),
     }
     if args.profile:
         prof = profile_ours(impls[0])
