@@ -196,6 +196,8 @@ def eval_(
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
     cache: Annotated[Optional[Path], typer.Option(help="A cache of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
+    device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Target and drafter dtype: 'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
@@ -207,7 +209,8 @@ def eval_(
     count = limit or sum(1 for line in open(prompts, encoding="utf-8") if line.strip()) if prompts and Path(prompts).is_file() else (limit or 200)
     with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
-                          tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance)
+                          tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
+                          device=device, dtype=dtype)
     _show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)

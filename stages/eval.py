@@ -141,17 +141,41 @@ def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
     return tokens, steps
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise PipelineError(f"--device: not a device: {device!r} (auto, cpu, cuda, cuda:N)") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise PipelineError(f"--device: {device!r} is not supported (auto, cpu, cuda, cuda:N)")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(f"--device {device}: no CUDA device is available here")
+    if dtype == "auto":
+        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
+    return resolved, DTYPES[dtype]
+
+
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
-             cache: Path | None = None, progress=None) -> dict:
+             cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto") -> dict:
     from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
+
+    device_, dtype_ = resolve_device(device, dtype)
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
     target_dir = resolve_target(target, recorded)
     facts = read_target_facts(target_dir)
-    embed, head = frozen_target_modules(target_dir)
-    drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).eval()
+    embed, head = frozen_target_modules(target_dir, dtype_)
+    drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).to(device_, dtype_).eval()
     c = drafter.config
     if (c.hidden_size, c.vocab_size) != (facts.hidden_size, facts.vocab_size) or max(c.target_layer_ids) >= facts.num_hidden_layers - 1:
         raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
@@ -164,7 +188,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         raise PipelineError(f"--tree-budget values must be >= 1, got {tree_budgets}")
     c.block_size = block
     tokenizer = load_tokenizer(target_dir)
-    model = load_model(target_dir, dtype=torch.float32)
+    model = load_model(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)}
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
@@ -192,7 +216,8 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         extra["teacher_forced"] = teacher_forced(drafter, cache, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
     return {**extra,
         "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
-        "max_new_tokens": max_new_tokens, "device": "cpu (float32)",
+        "max_new_tokens": max_new_tokens,
+        "device": f"{device_} ({str(dtype_).removeprefix('torch.')})", "drafter_kv_cache": True,
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
         "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),

@@ -73,7 +73,7 @@ def test_an_oracle_drafter_reaches_the_block_size_and_an_untrained_one_about_one
         reference = greedy(live, p["ids"], max_new=96, eos=EOS).tokens
         start = len(p["ids"])
 
-        def oracle(context, anchor, pos, reference=reference, start=start):
+        def oracle(anchor, pos, reference=reference, start=start):
             # The target's own greedy continuation after the anchor (pos - start indexes the output).
             ahead = reference[pos - start + 1:pos - start + block]
             return ahead + [0] * (block - 1 - len(ahead))
@@ -152,3 +152,35 @@ def test_eval_cli_json_and_a_bad_drafter(trained, tmp_path):
     assert bad.returncode == 1 and f"{tmp_path}: not a drafter export" in bad.stderr
     big = cli("eval", "--drafter", str(trained), "--block-size", "32", "--limit", "1")
     assert big.returncode == 1 and "--block-size must be in 2..8" in big.stderr
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_drafter_kv_cache_drafts_what_the_full_recompute_drafts(trained, live, prompts, embedded, window):
+    """Decoding with the drafter's KV cache (pipeline/drafter/incremental.py) against drafting
+    over the whole context each step: the same draft tokens at every step, block and DDTree; with
+    the trained weights as full-attention layers, and as sliding-window layers (W = 6, shorter
+    than every prompt) so the cache's window is exercised."""
+    import copy
+
+    from pipeline.drafter.export import load_drafter
+    from pipeline.speculative.decode import tree_decode
+
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
+    if window is not None:
+        config = copy.deepcopy(drafter.config)
+        config.layer_types, config.sliding_window = ["sliding_attention"] * config.num_hidden_layers, window
+        sliding = DFlashDrafter(config, embed=embed, lm_head=head).eval()
+        sliding.load_state_dict(drafter.state_dict())
+        drafter = sliding
+    steps = 0
+    for p in prompts[:8]:
+        cached = block_decode(live, drafter, p["ids"], max_new=48, eos=EOS)
+        full = block_decode(live, drafter, p["ids"], max_new=48, eos=EOS, cached=False)
+        assert cached.drafts == full.drafts and cached.tokens == full.tokens
+        steps += len(cached.drafts)
+    for p in prompts[8:11]:
+        cached = tree_decode(live, drafter, p["ids"], max_new=32, eos=EOS, budget=16)
+        full = tree_decode(live, drafter, p["ids"], max_new=32, eos=EOS, budget=16, cached=False)
+        assert cached.drafts == full.drafts and cached.tokens == full.tokens
+    assert steps > 20  # many steps compared, not a handful

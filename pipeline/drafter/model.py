@@ -105,16 +105,25 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
+    def query(self, x_BNH, pos_BN):
+        """[B, heads, N, D]: normed, rotated queries."""
+        b, n, _ = x_BNH.shape
+        return rope(self.q_norm(self.q_proj(x_BNH).view(b, n, -1, self.c.head_dim)).transpose(1, 2), pos_BN, self.c.rope_theta)
+
+    def key_value(self, x_BNH, pos_BN):
+        """([B, kv heads, N, D] keys normed and rotated, values) of context features or block states:
+        a position's pair depends on that position alone, so decoding caches the context's
+        (pipeline/drafter/incremental.py)."""
+        b, n, _ = x_BNH.shape
+        k = self.k_norm(self.k_proj(x_BNH).view(b, n, -1, self.c.head_dim)).transpose(1, 2)
+        return rope(k, pos_BN, self.c.rope_theta), self.v_proj(x_BNH).view(b, n, -1, self.c.head_dim).transpose(1, 2)
+
     def forward(self, block_BQH, context_BTH, block_pos, context_pos, attend):
-        c = self.c
         b, q_len, _ = block_BQH.shape
-        kv_in = torch.cat([context_BTH, block_BQH], dim=1)
-        q = self.q_norm(self.q_proj(block_BQH).view(b, q_len, -1, c.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, c.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, c.head_dim).transpose(1, 2)
-        q = rope(q, block_pos, c.rope_theta)
-        k = rope(k, torch.cat([context_pos, block_pos], dim=1), c.rope_theta)
-        out = attend(q, k, v, self.window)
+        q = self.query(block_BQH, block_pos)
+        kc, vc = self.key_value(context_BTH, context_pos)
+        kb, vb = self.key_value(block_BQH, block_pos)
+        out = attend(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -250,6 +259,9 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, context, block_pos, context_pos, attend):
         x = x + self.self_attn(self.input_layernorm(x), context, block_pos, context_pos, attend)
+        return self.feed_forward(x)
+
+    def feed_forward(self, x):
         h = self.post_attention_layernorm(x)
         return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
 
@@ -282,6 +294,17 @@ class DFlashDrafter(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
 
+    def context_features(self, hidden_BTNH: torch.Tensor) -> torch.Tensor:
+        """fc + hidden_norm of the concatenated taps, [B, T, H]."""
+        b, t = hidden_BTNH.shape[:2]
+        return self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._frozen["embed"](ids)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self._frozen["lm_head"](x)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self._frozen["lm_head"].weight
@@ -298,7 +321,7 @@ class DFlashDrafter(nn.Module):
         if (allowed_BQK is None) == (anchors_BA is None):
             raise ValueError("pass exactly one of allowed_BQK and anchors_BA")
         b, t = hidden_BTNH.shape[:2]
-        context = self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
+        context = self.context_features(hidden_BTNH)
         context_pos = torch.arange(t, device=context.device).expand(b, t)
         if allowed_BQK is not None:
             attend = dense_attention(allowed_BQK, block_pos_BQ, context_pos)

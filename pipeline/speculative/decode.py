@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.drafter.incremental import DraftContext
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.speculative.tree import build_tree
 
@@ -22,6 +23,7 @@ class Decoded:
     accepted: list[int] = field(default_factory=list)   # accepted draft tokens per verify step
     verify_passes: int = 0
     target_passes: int = 0
+    drafts: list[list[int]] = field(default_factory=list)  # each step's draft tokens (DDTree: the tree's, best-first)
 
 
 def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool:
@@ -51,29 +53,53 @@ def draft_logits(drafter, context_TNH: torch.Tensor, anchor: int, anchor_pos: in
     """Drafter logits [B-1, V] for the positions after `anchor`; context = tapped hidden states of positions < anchor_pos."""
     c = drafter.config
     b = c.block_size
-    ids = torch.full((1, b), c.mask_token_id, dtype=torch.long)
+    device = drafter.fc.weight.device
+    ids = torch.full((1, b), c.mask_token_id, dtype=torch.long, device=device)
     ids[0, 0] = anchor
-    pos = torch.arange(anchor_pos, anchor_pos + b)[None]
-    allowed = torch.ones(1, b, context_TNH.shape[0] + b, dtype=torch.bool)
-    return drafter(context_TNH[None], ids, pos, allowed)[0, 1:].float()
+    pos = torch.arange(anchor_pos, anchor_pos + b, device=device)[None]
+    allowed = torch.ones(1, b, context_TNH.shape[0] + b, dtype=torch.bool, device=device)
+    return drafter(context_TNH[None].to(device, drafter.fc.weight.dtype), ids, pos, allowed)[0, 1:].float()
 
 
-def _prefill(target: LiveTarget, prompt: list[int]):
-    """(committed state, context hidden [P, n, H], position of the first new token, that token)."""
+class Recomputed:
+    """The drafter without a cache: each step runs it over the whole context (`draft_logits`).
+    The reference that DraftContext is tested and benchmarked against."""
+
+    def __init__(self, drafter):
+        self.drafter, self.context = drafter, None
+
+    def extend(self, hidden_TNH: torch.Tensor) -> None:
+        self.context = hidden_TNH if self.context is None else torch.cat([self.context, hidden_TNH])
+
+    def logits(self, anchor: int, anchor_pos: int) -> torch.Tensor:
+        return draft_logits(self.drafter, self.context, anchor, anchor_pos)
+
+
+def drafting(drafter, cached: bool = True):
+    return DraftContext(drafter) if cached else Recomputed(drafter)
+
+
+def _prefill(target: LiveTarget, prompt: list[int], context):
+    """(committed state, position of the first new token, that token); the prompt's tapped hidden
+    states go into the drafter's context."""
     pre = target.run(prompt, None, 0)
-    return pre.state, pre.hidden, len(prompt), int(pre.logits[-1].argmax())
+    if context is not None:
+        context.extend(pre.hidden)
+    return pre.state, len(prompt), int(pre.logits[-1].argmax())
 
 
 def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int],
-                 draft=None) -> Decoded:
-    """Block speculative decoding. `draft(context, anchor, pos) -> [B-1] tokens` overrides the
-    drafter (tests use an oracle)."""
+                 draft=None, cached: bool = True) -> Decoded:
+    """Block speculative decoding. `draft(anchor, pos) -> [B-1] tokens` overrides the drafter
+    (tests use an oracle); `cached=False` drafts without the drafter's KV cache (the reference)."""
     start = target.passes
-    state, context, pos, bonus = _prefill(target, prompt)
+    context = drafting(drafter, cached) if draft is None else None
+    state, pos, bonus = _prefill(target, prompt, context)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
-        drafts = (draft or (lambda ctx, a, p: draft_logits(drafter, ctx, a, p).argmax(-1).tolist()))(context, bonus, pos)
-        verify = target.run([bonus, *drafts], LiveTarget.copy(state), pos)
+        drafts = draft(bonus, pos) if draft else context.logits(bonus, pos).argmax(-1).tolist()
+        result.drafts.append(drafts)
+        verify = target.run([bonus, *drafts], LiveTarget.copy(state), pos, with_hidden=context is not None)
         result.verify_passes += 1
         choices = verify.logits.argmax(-1).tolist()      # choices[k]: the target's token for position pos+k+1
         n = 0
@@ -84,7 +110,8 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
             state = verify.state                          # everything verified was accepted
         else:
             target.run([bonus, *drafts[:n]], state, pos, with_hidden=False)   # roll forward the committed state
-        context = torch.cat([context, verify.hidden[:n + 1]])
+        if context is not None:
+            context.extend(verify.hidden[:n + 1])
         pos += n + 1
         if _finish(result.tokens, drafts[:n], eos, max_new):
             break
@@ -94,16 +121,18 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
 
 
 def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int], budget: int,
-                top_k: int = 8) -> Decoded:
+                top_k: int = 8, cached: bool = True) -> Decoded:
     """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
     down it. The tree is verified as its root-to-leaf paths batched in one forward: the Gated
     DeltaNet layers are recurrences, which an ancestor-only attention mask cannot express."""
     start = target.passes
-    state, context, pos, bonus = _prefill(target, prompt)
+    context = drafting(drafter, cached)
+    state, pos, bonus = _prefill(target, prompt, context)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
-        logprobs = torch.log_softmax(draft_logits(drafter, context, bonus, pos), dim=-1)
+        logprobs = torch.log_softmax(context.logits(bonus, pos), dim=-1)
         tree = build_tree(logprobs, budget, top_k)
+        result.drafts.append(list(tree.tokens))
         paths = tree.paths()
         width = max(len(p) for p in paths)
         rows = torch.tensor([[bonus] + [tree.tokens[n] for n in p] + [bonus] * (width - len(p)) for p in paths])
@@ -120,7 +149,7 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
             node, row, depth = child, row_of[child], depth + 1
         result.accepted.append(len(accepted))
         commit = target.run([bonus, *accepted], state, pos)   # the committed state and the new context hidden states
-        context = torch.cat([context, commit.hidden])
+        context.extend(commit.hidden)
         pos += len(accepted) + 1
         if _finish(result.tokens, accepted, eos, max_new):
             break

@@ -26,6 +26,7 @@ class Step:
 class LiveTarget:
     def __init__(self, model, taps: list[int]):
         self.model, self.taps = model.eval(), list(taps)
+        self.device = next(model.parameters()).device
         self.passes = 0       # target forward passes, all kinds
         self.tokens = 0       # tokens fed through the target
 
@@ -33,8 +34,8 @@ class LiveTarget:
     def run(self, tokens: list[int] | torch.Tensor, state, start: int, *, with_hidden: bool = True) -> Step:
         """Feed `tokens` at positions start.. on top of `state` (None: empty). `state` is updated
         in place by transformers; pass a copy to keep the original."""
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
-        positions = torch.arange(start, start + ids.shape[1])[None]
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1).to(self.device)
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True, output_hidden_states=with_hidden)
         self.passes += 1
         self.tokens += ids.shape[1]
@@ -45,8 +46,9 @@ class LiveTarget:
     def run_rows(self, rows: torch.Tensor, state, start: int) -> torch.Tensor:
         """Logits [R, L, V] for R token rows of equal length, each continuing a copy of `state`
         (tree verification as batched root-to-leaf paths: one target pass)."""
+        rows = rows.to(self.device)
         states = _repeat_state(state, rows.shape[0])
-        positions = torch.arange(start, start + rows.shape[1])[None].expand(rows.shape[0], -1)
+        positions = torch.arange(start, start + rows.shape[1], device=self.device)[None].expand(rows.shape[0], -1)
         out = self.model(input_ids=rows, position_ids=positions, cache=states, use_cache=True)
         self.passes += 1
         self.tokens += rows.numel()
