@@ -18,8 +18,9 @@ nothing to install) and the peers, which are installed without their serving dep
     peers-venv/bin/pip install --no-deps openai sniffio "datasets<=5.1.0" multiprocess pandas pyarrow
 
 (speculators' package __init__ imports its trainer's data module, hence openai/datasets/pandas;
-transformers 5.19 is the newest speculators allows and the oldest ours allows; SpecForge pins
-5.8.1 and torch 2.11, and its DFlash modules import and run under these as well.)
+transformers 5.19 is the newest speculators allows; what this imports of ours, the drafter and
+its loss, is plain torch; SpecForge pins 5.8.1 and torch 2.11, and its DFlash modules import and
+run under these as well.)
 
 What is measured. One drafter geometry (`--config`): `small` (hidden 128, 2 layers, 4 query / 2
 KV heads of 32, intermediate 384, vocabulary 2,048, 5 taps, 512 tokens x 64 anchors x block 16)

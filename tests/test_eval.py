@@ -56,6 +56,10 @@ def test_block_and_tree_decoding_equal_greedy_on_every_heldout_prompt(full_eval)
     assert result["block"]["identical_to_greedy"] == result["tree"]["16"]["identical_to_greedy"] == 200
     block = result["block"]
     assert sum(block["accept_histogram"].values()) * block["tau_pooled"] == pytest.approx(block["tokens"], rel=0.02)
+    # No second target pass after a rejection, nor a commit pass after a tree: one prefill per
+    # prompt, then exactly one target pass per verify step.
+    for run in (block, result["tree"]["16"]):
+        assert run["target_passes_per_token"] == pytest.approx(run["verify_passes_per_token"] + 200 / run["tokens"], rel=1e-9)
     assert block["tau_pooled"] > 2.0, block  # an untrained drafter stays at about 1 (next test)
     assert result["tree"]["16"]["tau_pooled"] >= block["tau_pooled"] - 0.05
 
@@ -184,3 +188,30 @@ def test_the_drafter_kv_cache_drafts_what_the_full_recompute_drafts(trained, liv
         full = tree_decode(live, drafter, p["ids"], max_new=32, eos=EOS, budget=16, cached=False)
         assert cached.drafts == full.drafts and cached.tokens == full.tokens
     assert steps > 20  # many steps compared, not a handful
+
+
+def test_commit_from_the_verify_pass_equals_rerunning_the_accepted_tokens(live, prompts):
+    """The state `commit` cuts out of a recorded verify pass (block: one row; DDTree: rows) equals
+    the committed state rolled forward through the kept tokens by a second target pass (what
+    decoding did before): same next-token logits and the same recurrent, conv and KV states, for
+    every number of kept tokens."""
+    prompt = prompts[5]["ids"]
+    state = live.run(prompt, None, 0).state
+    pos, tokens = len(prompt), [17, 230, 41, 9, 300, 77]
+    rows = torch.tensor([tokens, [17, 5, 6, 7, 8, 9], [17, 230, 41, 2, 2, 2]])
+    for keep in range(1, len(tokens) + 1):
+        rerun = LiveTarget.copy(state)
+        live.run(tokens[:keep], rerun, pos, with_hidden=False)
+        block = live.commit(live.verify(tokens, state, pos), keep)
+        tree = live.commit(live.verify_rows(rows, state, pos), keep, row=0)
+        for got in (block, tree):
+            for mine, theirs in zip(got.layers, rerun.layers):
+                for name, value in vars(theirs).items():
+                    if isinstance(value, torch.Tensor):
+                        torch.testing.assert_close(getattr(mine, name), value, rtol=1e-4, atol=1e-5)
+                    elif isinstance(value, dict) and value and isinstance(next(iter(value.values())), torch.Tensor):
+                        for k, v in value.items():
+                            torch.testing.assert_close(getattr(mine, name)[k], v, rtol=1e-4, atol=1e-5)
+            nxt = live.run([3], got, pos + keep, with_hidden=False).logits
+            torch.testing.assert_close(nxt, live.run([3], LiveTarget.copy(rerun), pos + keep, with_hidden=False).logits,
+                                       rtol=1e-4, atol=1e-4)

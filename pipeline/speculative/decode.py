@@ -99,17 +99,15 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
     while not _finish(result.tokens, [bonus], eos, max_new):
         drafts = draft(bonus, pos) if draft else context.logits(bonus, pos).argmax(-1).tolist()
         result.drafts.append(drafts)
-        verify = target.run([bonus, *drafts], LiveTarget.copy(state), pos, with_hidden=context is not None)
+        verified = target.verify([bonus, *drafts], state, pos, with_hidden=context is not None)
+        verify = verified.step
         result.verify_passes += 1
         choices = verify.logits.argmax(-1).tolist()      # choices[k]: the target's token for position pos+k+1
         n = 0
         while n < len(drafts) and drafts[n] == choices[n]:
             n += 1
         result.accepted.append(n)
-        if n == len(drafts):
-            state = verify.state                          # everything verified was accepted
-        else:
-            target.run([bonus, *drafts[:n]], state, pos, with_hidden=False)   # roll forward the committed state
+        state = target.commit(verified, n + 1)           # the bonus token and the accepted drafts, no second pass
         if context is not None:
             context.extend(verify.hidden[:n + 1])
         pos += n + 1
@@ -124,7 +122,8 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
                 top_k: int = 8, cached: bool = True) -> Decoded:
     """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
     down it. The tree is verified as its root-to-leaf paths batched in one forward: the Gated
-    DeltaNet layers are recurrences, which an ancestor-only attention mask cannot express."""
+    DeltaNet layers are recurrences, which an ancestor-only attention mask cannot express. The
+    committed state is the accepted path's row of that pass, cut after the accepted tokens."""
     start = target.passes
     context = drafting(drafter, cached)
     state, pos, bonus = _prefill(target, prompt, context)
@@ -136,7 +135,8 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
         paths = tree.paths()
         width = max(len(p) for p in paths)
         rows = torch.tensor([[bonus] + [tree.tokens[n] for n in p] + [bonus] * (width - len(p)) for p in paths])
-        logits = target.run_rows(rows, state, pos)
+        verified = target.verify_rows(rows, state, pos)
+        logits = verified.step.logits
         result.verify_passes += 1
         row_of = {n: r for r, p in enumerate(paths) for n in p}
         accepted, node, row, depth = [], -1, 0, 0
@@ -148,8 +148,8 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
             accepted.append(choice)
             node, row, depth = child, row_of[child], depth + 1
         result.accepted.append(len(accepted))
-        commit = target.run([bonus, *accepted], state, pos)   # the committed state and the new context hidden states
-        context.extend(commit.hidden)
+        state = target.commit(verified, len(accepted) + 1, row=row)   # the accepted path's prefix, no commit pass
+        context.extend(verified.step.hidden[row, :len(accepted) + 1])
         pos += len(accepted) + 1
         if _finish(result.tokens, accepted, eos, max_new):
             break
