@@ -152,10 +152,32 @@ def test_eval_cli_json_and_a_bad_drafter(trained, tmp_path):
     assert ok.returncode == 0, ok.stderr
     result = json.loads(ok.stdout)
     assert result["prompts"] == 3 and result["lossless"] and set(result["tree"]) == {"4"}
+    assert result["device"] == "cpu (float32)" and result["drafter_kv_cache"]  # auto without a GPU
     bad = cli("eval", "--drafter", str(tmp_path))
     assert bad.returncode == 1 and f"{tmp_path}: not a drafter export" in bad.stderr
     big = cli("eval", "--drafter", str(trained), "--block-size", "32", "--limit", "1")
     assert big.returncode == 1 and "--block-size must be in 2..8" in big.stderr
+
+
+def test_eval_device_and_dtype_options(trained):
+    """--dtype bfloat16 runs the target and the drafter in bf16 (recorded; on the CPU here, so no
+    claim about speed or exactness), and unusable --device / --dtype values are one-line errors."""
+    from pipeline.errors import PipelineError
+
+    result = run_eval(trained, target=None, prompts=None, max_new_tokens=16, block_size=None, tree_budgets=[4],
+                      tree_top_k=4, limit=2, device="cpu", dtype="bfloat16")
+    assert result["device"] == "cpu (bfloat16)" and result["prompts"] == 2
+    assert result["greedy"]["tokens"] > 0 and result["block"]["tokens"] > 0 and result["tree"]["4"]["tokens"] > 0
+    for device, dtype, message in (("meta", "auto", "--device: 'meta' is not supported"),
+                                   ("cpu", "float16", "--dtype: must be auto, float32 or bfloat16"),
+                                   ("nonsense:0", "auto", "--device: not a device")):
+        with pytest.raises(PipelineError, match=message):
+            run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
+                     tree_top_k=4, limit=1, device=device, dtype=dtype)
+    if not torch.cuda.is_available():
+        with pytest.raises(PipelineError, match="--device cuda: no CUDA device is available here"):
+            run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
+                     tree_top_k=4, limit=1, device="cuda", dtype="auto")
 
 
 @pytest.mark.parametrize("window", [None, 6])
