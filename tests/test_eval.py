@@ -164,9 +164,9 @@ def test_eval_device_and_dtype_options(trained):
     claim about speed or exactness), and unusable --device / --dtype values are one-line errors."""
     from pipeline.errors import PipelineError
 
-    result = run_eval(trained, target=None, prompts=None, max_new_tokens=16, block_size=None, tree_budgets=[4],
-                      tree_top_k=4, limit=2, device="cpu", dtype="bfloat16")
-    assert result["device"] == "cpu (bfloat16)" and result["prompts"] == 2
+    result = run_eval(trained, target=None, prompts=None, max_new_tokens=8, block_size=None, tree_budgets=[4],
+                      tree_top_k=4, limit=1, device="cpu", dtype="bfloat16")
+    assert result["device"] == "cpu (bfloat16)" and result["prompts"] == 1
     assert result["greedy"]["tokens"] > 0 and result["block"]["tokens"] > 0 and result["tree"]["4"]["tokens"] > 0
     for device, dtype, message in (("meta", "auto", "--device: 'meta' is not supported"),
                                    ("cpu", "float16", "--dtype: must be auto, float32 or bfloat16"),
