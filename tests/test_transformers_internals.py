@@ -25,7 +25,7 @@ def test_forward_takes_cache_and_returns_it(target):
 
 def test_cache_layers_hold_batch_one_tensors_that_repeat_into_rows(target):
     """LiveTarget verifies a DDTree's paths as rows of one batch by repeating a batch-1 cache
-    (`_repeat_state` walks `cache.layers` and their tensor attributes): each row must then
+    (`_repeat_state` / `_select_row` walk `cache.layers` and their tensor attributes): each row must then
     continue the prompt exactly as a batch-1 run does."""
     from pipeline.speculative.live_target import LiveTarget
 
@@ -38,7 +38,7 @@ def test_cache_layers_hold_batch_one_tensors_that_repeat_into_rows(target):
         "cache layer tensors with the batch first", "pipeline/speculative/live_target.py (_repeat_state)",
         [tuple(t.shape) for t in tensors][:4])
     rows = torch.tensor([[9, 10], [11, 12], [13, 14]])
-    batched = live.run_rows(rows, state, 4)
+    batched = live.verify_rows(rows, state, 4).step.logits
     for r in range(3):
         alone = live.run(rows[r].tolist(), LiveTarget.copy(state), 4, with_hidden=False).logits
         torch.testing.assert_close(batched[r], alone, rtol=1e-4, atol=1e-4)

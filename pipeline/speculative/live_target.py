@@ -52,18 +52,6 @@ class LiveTarget:
         return Step(out.logits[0].float(), hidden, out.cache)
 
     @torch.no_grad()
-    def run_rows(self, rows: torch.Tensor, state, start: int) -> torch.Tensor:
-        """Logits [R, L, V] for R token rows of equal length, each continuing a copy of `state`
-        (tree verification as batched root-to-leaf paths: one target pass)."""
-        rows = rows.to(self.device)
-        states = _repeat_state(state, rows.shape[0])
-        positions = torch.arange(start, start + rows.shape[1], device=self.device)[None].expand(rows.shape[0], -1)
-        out = self.model(input_ids=rows, position_ids=positions, cache=states, use_cache=True)
-        self.passes += 1
-        self.tokens += rows.numel()
-        return out.logits.float()
-
-    @torch.no_grad()
     def verify(self, tokens: list[int], state, start: int, *, with_hidden: bool = True) -> Verified:
         """`run` on a recording copy of `state`: `commit` can then keep any prefix of `tokens`."""
         recording = _recording_copy(state)
@@ -73,10 +61,12 @@ class LiveTarget:
 
     @torch.no_grad()
     def verify_rows(self, rows: torch.Tensor, state, start: int) -> Verified:
-        """`run_rows` (with the rows' tapped hidden states) on a recording copy; `commit` keeps a
-        prefix of one row."""
+        """Logits [R, L, V] and tapped hidden states [R, L, n, H] for R token rows of equal length,
+        each continuing `state` (tree verification as batched root-to-leaf paths: one target
+        pass), on a recording copy; `commit` keeps a prefix of one row."""
         rows = rows.to(self.device)
-        recording = _recording_copy(_repeat_state(state, rows.shape[0]))
+        recording = _repeat_state(state, rows.shape[0])   # a copy already
+        recording.activate_past_recording()
         positions = torch.arange(start, start + rows.shape[1], device=self.device)[None].expand(rows.shape[0], -1)
         with _recording_states() as states:
             out = self.model(input_ids=rows, position_ids=positions, cache=recording, use_cache=True, output_hidden_states=True)
@@ -152,35 +142,30 @@ def _recording_states():
         modeling.torch_chunk_gated_delta_rule = chunked
 
 
-def _select_row(state, row: int):
-    """Keep batch row `row` of every state tensor (the inverse of `_repeat_state`), in place."""
-    def pick(value):
+def _map_state_tensors(state, fn) -> None:
+    """Replace every state tensor (not scalars) of every cache layer by fn(tensor), in place;
+    the layers keep them in attributes, dicts and lists."""
+    def apply(value):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value[row:row + 1].clone()
+            return fn(value)
         if isinstance(value, dict):
-            return {k: pick(v) for k, v in value.items()}
+            return {k: apply(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [pick(v) for v in value]
+            return [apply(v) for v in value]
         return value
 
     for layer in state.layers:
         for name, value in list(vars(layer).items()):
-            setattr(layer, name, pick(value))
+            setattr(layer, name, apply(value))
+
+
+def _select_row(state, row: int) -> None:
+    """Keep batch row `row` of every state tensor (the inverse of `_repeat_state`), in place."""
+    _map_state_tensors(state, lambda t: t[row:row + 1].clone())
 
 
 def _repeat_state(state, rows: int):
     """A copy of a batch-1 cache with every state tensor repeated along the batch dimension."""
-    def grow(value):
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 1:
-            return value.repeat_interleave(rows, dim=0)
-        if isinstance(value, dict):
-            return {k: grow(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [grow(v) for v in value]
-        return value
-
     repeated = copy.deepcopy(state)
-    for layer in repeated.layers:
-        for name, value in list(vars(layer).items()):
-            setattr(layer, name, grow(value))
+    _map_state_tensors(repeated, lambda t: t.repeat_interleave(rows, dim=0) if t.shape[0] == 1 else t)
     return repeated
