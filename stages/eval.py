@@ -18,7 +18,7 @@ import torch
 
 from pipeline.drafter.export import load_drafter
 from pipeline.errors import PipelineError
-from pipeline.speculative.decode import Decoded, block_decode, greedy, tree_decode
+from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
 
@@ -81,6 +81,7 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
         "tau_pooled": statistics.mean(steps) if steps else 0.0,
         "accept_histogram": histogram,
         "verify_passes_per_token": sum(r.verify_passes for r in runs) / max(tokens, 1),
+        "target_tokens_per_verify": sum(r.verify_tokens for r in runs) / max(sum(r.verify_passes for r in runs), 1),
         "target_passes_per_token": sum(r.target_passes for r in runs) / max(tokens, 1),
         "tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
         "speedup_vs_greedy": greedy_seconds / max(seconds, 1e-9),
@@ -165,11 +166,14 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
-             cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto") -> dict:
+             cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
+             tree_verify: str = "tree") -> dict:
     from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
 
     device_, dtype_ = resolve_device(device, dtype)
+    if tree_verify not in TREE_VERIFY:
+        raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, got {tree_verify!r}")
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
     target_dir = resolve_target(target, recorded)
@@ -190,6 +194,9 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     tokenizer = load_tokenizer(target_dir)
     model = load_model(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
+    if tree_budgets and tree_verify == "tree" and model.config._attn_implementation not in ("sdpa", "eager"):
+        raise PipelineError(f"--tree-verify tree: the target runs attention {model.config._attn_implementation!r}, which "
+                            "takes no tree mask (sdpa and eager do); pass --tree-verify paths")
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)}
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
 
@@ -206,7 +213,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         for b in tree_budgets:
             t0 = time.perf_counter()
             trees[b].append(tree_decode(live, drafter, item["ids"], max_new=max_new_tokens, eos=eos, budget=b,
-                                        top_k=tree_top_k))
+                                        top_k=tree_top_k, verify=tree_verify))
             seconds[f"tree{b}"] += time.perf_counter() - t0
         if progress:
             progress(1)
@@ -218,6 +225,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
         "max_new_tokens": max_new_tokens,
         "device": f"{device_} ({str(dtype_).removeprefix('torch.')})", "drafter_kv_cache": True,
+        "tree_verify": tree_verify,
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
         "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),

@@ -168,12 +168,13 @@ def test_eval_device_and_dtype_options(trained):
                       tree_top_k=4, limit=1, device="cpu", dtype="bfloat16")
     assert result["device"] == "cpu (bfloat16)" and result["prompts"] == 1
     assert result["greedy"]["tokens"] > 0 and result["block"]["tokens"] > 0 and result["tree"]["4"]["tokens"] > 0
-    for device, dtype, message in (("meta", "auto", "--device: 'meta' is not supported"),
-                                   ("cpu", "float16", "--dtype: must be auto, float32 or bfloat16"),
-                                   ("nonsense:0", "auto", "--device: not a device")):
+    for device, dtype, verify, message in (("meta", "auto", "tree", "--device: 'meta' is not supported"),
+                                           ("cpu", "float16", "tree", "--dtype: must be auto, float32 or bfloat16"),
+                                           ("nonsense:0", "auto", "tree", "--device: not a device"),
+                                           ("cpu", "auto", "nodes", "--tree-verify: must be one of tree, paths")):
         with pytest.raises(PipelineError, match=message):
             run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
-                     tree_top_k=4, limit=1, device=device, dtype=dtype)
+                     tree_top_k=4, limit=1, device=device, dtype=dtype, tree_verify=verify)
     if not torch.cuda.is_available():
         with pytest.raises(PipelineError, match="--device cuda: no CUDA device is available here"):
             run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
@@ -224,7 +225,7 @@ def test_commit_from_the_verify_pass_equals_rerunning_the_accepted_tokens(live, 
     for keep in range(1, len(tokens) + 1):
         rerun = LiveTarget.copy(state)
         live.run(tokens[:keep], rerun, pos, with_hidden=False)
-        block = live.commit(live.verify(tokens, state, pos), keep)
+        block = live.commit(live.verify(tokens, LiveTarget.copy(state), pos), keep)
         tree = live.commit(live.verify_rows(rows, state, pos), keep, row=0)
         for got in (block, tree):
             for mine, theirs in zip(got.layers, rerun.layers):
@@ -237,3 +238,65 @@ def test_commit_from_the_verify_pass_equals_rerunning_the_accepted_tokens(live, 
             nxt = live.run([3], got, pos + keep, with_hidden=False).logits
             torch.testing.assert_close(nxt, live.run([3], LiveTarget.copy(rerun), pos + keep, with_hidden=False).logits,
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_tree_verification_processes_each_node_once_and_equals_the_batched_paths(live, prompts):
+    """`verify_tree` (one pass over the tree's nodes: ancestor mask + per-node recurrent states)
+    against the batched root-to-leaf paths (each path an independent row continuing the same
+    state, the plain way to verify a tree exactly): the same logits and tapped hidden states at
+    every node; and the state `commit_path` keeps for a root path equals rolling the committed
+    state forward through that path's tokens, for paths of every length in the tree."""
+    generator = torch.Generator().manual_seed(3)
+    prompt = prompts[7]["ids"]
+    state = live.run(prompt, None, 0).state
+    pos = len(prompt)
+    logprobs = torch.log_softmax(3 * torch.randn(7, 512, generator=generator), dim=-1)
+    tree = build_tree(logprobs, 64, 8)
+    tokens, parents = [17, *tree.tokens], [-1, *(p + 1 for p in tree.parents)]
+    paths = tree.paths()
+    width = max(len(p) for p in paths)
+    rows = torch.tensor([[17] + [tree.tokens[n] for n in p] + [17] * (width - len(p)) for p in paths])
+    before = live.tokens
+    verified = live.verify_tree(tokens, parents, LiveTarget.copy(state), pos)
+    assert live.tokens - before == 65  # each node once, the root included
+    by_rows = live.verify_rows(rows, LiveTarget.copy(state), pos).step
+    assert rows.numel() > 2 * 65       # what the batched paths process instead
+    for r, p in enumerate(paths):
+        index = [0, *(n + 1 for n in p)]
+        torch.testing.assert_close(verified.step.logits[index], by_rows.logits[r, :len(index)], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(verified.step.hidden[index], by_rows.hidden[r, :len(index)], rtol=1e-4, atol=1e-4)
+    lengths = sorted({len(p) for p in paths})
+    assert len(lengths) >= 3, lengths
+    for length in lengths:
+        p = next(p for p in paths if len(p) == length)
+        for keep in range(length + 1):   # the root alone, then one more node each time
+            path = [0, *(n + 1 for n in p[:keep])]
+            committed = live.commit_path(live.verify_tree(tokens, parents, LiveTarget.copy(state), pos), path)
+            rerun = LiveTarget.copy(state)
+            live.run([tokens[i] for i in path], rerun, pos, with_hidden=False)
+            for mine, theirs in zip(committed.layers, rerun.layers):
+                for name in ("keys", "values", "conv_states", "recurrent_states"):
+                    value = getattr(theirs, name, None)
+                    for k, v in (value.items() if isinstance(value, dict) else [(None, value)] if value is not None else []):
+                        got = getattr(mine, name) if k is None else getattr(mine, name)[k]
+                        torch.testing.assert_close(got, v, rtol=1e-4, atol=1e-5)
+            nxt = live.run([3], committed, pos + len(path), with_hidden=False).logits
+            torch.testing.assert_close(nxt, live.run([3], rerun, pos + len(path), with_hidden=False).logits,
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_tree_and_paths_verification_decode_the_same_tokens(trained, live, prompts, embedded):
+    from pipeline.drafter.export import load_drafter
+    from pipeline.speculative.decode import tree_decode
+
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
+    accepted = 0
+    for p in prompts[20:26]:
+        reference = greedy(live, p["ids"], max_new=48, eos=EOS).tokens
+        for budget in (16, 64):
+            tree = tree_decode(live, drafter, p["ids"], max_new=48, eos=EOS, budget=budget)
+            paths = tree_decode(live, drafter, p["ids"], max_new=48, eos=EOS, budget=budget, verify="paths")
+            assert tree.tokens == paths.tokens == reference and tree.accepted == paths.accepted
+            accepted += sum(tree.accepted)
+    assert accepted > 50  # the walk goes down the tree, not only the root

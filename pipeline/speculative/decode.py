@@ -24,6 +24,7 @@ class Decoded:
     verify_passes: int = 0
     target_passes: int = 0
     drafts: list[list[int]] = field(default_factory=list)  # each step's draft tokens (DDTree: the tree's, best-first)
+    verify_tokens: int = 0  # tokens the target processed in verify passes
 
 
 def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool:
@@ -102,6 +103,7 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
         verified = target.verify([bonus, *drafts], state, pos, with_hidden=context is not None)
         verify = verified.step
         result.verify_passes += 1
+        result.verify_tokens += len(drafts) + 1
         choices = verify.logits.argmax(-1).tolist()      # choices[k]: the target's token for position pos+k+1
         n = 0
         while n < len(drafts) and drafts[n] == choices[n]:
@@ -118,12 +120,18 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
     return result
 
 
+TREE_VERIFY = ("tree", "paths")
+
+
 def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int], budget: int,
-                top_k: int = 8, cached: bool = True) -> Decoded:
+                top_k: int = 8, cached: bool = True, verify: str = "tree") -> Decoded:
     """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
-    down it. The tree is verified as its root-to-leaf paths batched in one forward: the Gated
-    DeltaNet layers are recurrences, which an ancestor-only attention mask cannot express. The
-    committed state is the accepted path's row of that pass, cut after the accepted tokens."""
+    down it. `verify="tree"` processes each tree node once (an ancestor mask for the attention
+    layers, per-node recurrent states from the parent's for the Gated DeltaNet layers);
+    `verify="paths"` batches the tree's root-to-leaf paths as rows (shared prefixes recomputed;
+    the exactness reference). Either way the committed state is cut out of that one pass."""
+    if verify not in TREE_VERIFY:
+        raise ValueError(f"verify must be one of {TREE_VERIFY}, got {verify!r}")
     start = target.passes
     context = drafting(drafter, cached)
     state, pos, bonus = _prefill(target, prompt, context)
@@ -132,27 +140,52 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
         logprobs = torch.log_softmax(context.logits(bonus, pos), dim=-1)
         tree = build_tree(logprobs, budget, top_k)
         result.drafts.append(list(tree.tokens))
-        paths = tree.paths()
-        width = max(len(p) for p in paths)
-        rows = torch.tensor([[bonus] + [tree.tokens[n] for n in p] + [bonus] * (width - len(p)) for p in paths])
-        verified = target.verify_rows(rows, state, pos)
-        logits = verified.step.logits
+        walk = _verify_as_tree if verify == "tree" else _verify_as_paths
+        before = target.tokens
+        accepted, choice, state, hidden = walk(target, tree, bonus, state, pos)
         result.verify_passes += 1
-        row_of = {n: r for r, p in enumerate(paths) for n in p}
-        accepted, node, row, depth = [], -1, 0, 0
-        while True:
-            choice = int(logits[row, depth].argmax())     # the target's token after the path so far
-            child = tree.children.get(node, {}).get(choice)
-            if child is None:
-                break
-            accepted.append(choice)
-            node, row, depth = child, row_of[child], depth + 1
+        result.verify_tokens += target.tokens - before
         result.accepted.append(len(accepted))
-        state = target.commit(verified, len(accepted) + 1, row=row)   # the accepted path's prefix, no commit pass
-        context.extend(verified.step.hidden[row, :len(accepted) + 1])
+        context.extend(hidden)                            # the bonus token's and the accepted tokens'
         pos += len(accepted) + 1
         if _finish(result.tokens, accepted, eos, max_new):
             break
         bonus = choice
     result.target_passes = target.passes - start
     return result
+
+
+def _follow(tree, choice_at) -> tuple[list[int], int, list[int]]:
+    """Walk down the tree while the target's choice is a child: (accepted tokens, the target's
+    choice after them, the accepted nodes). `choice_at(node, depth)` is the target's token after
+    the path ending at `node` (-1: the root)."""
+    accepted, nodes, node = [], [], -1
+    while True:
+        choice = choice_at(node, len(accepted))
+        child = tree.children.get(node, {}).get(choice)
+        if child is None:
+            return accepted, choice, nodes
+        accepted.append(choice)
+        nodes.append(child)
+        node = child
+
+
+def _verify_as_tree(target: LiveTarget, tree, bonus: int, state, pos: int):
+    verified = target.verify_tree([bonus, *tree.tokens], [-1, *(p + 1 for p in tree.parents)], state, pos)
+    choices = verified.step.logits.argmax(-1).tolist()   # per tree token (0: the bonus), the target's next token
+    accepted, choice, nodes = _follow(tree, lambda node, _: choices[node + 1])
+    path = [0, *(n + 1 for n in nodes)]
+    return accepted, choice, target.commit_path(verified, path), verified.step.hidden[path]
+
+
+def _verify_as_paths(target: LiveTarget, tree, bonus: int, state, pos: int):
+    paths = tree.paths()
+    width = max(len(p) for p in paths)
+    rows = torch.tensor([[bonus] + [tree.tokens[n] for n in p] + [bonus] * (width - len(p)) for p in paths])
+    verified = target.verify_rows(rows, state, pos)
+    logits = verified.step.logits
+    row_of = {n: r for r, p in enumerate(paths) for n in p}
+    accepted, choice, nodes = _follow(tree, lambda node, depth: int(logits[row_of.get(node, 0), depth].argmax()))
+    row = row_of[nodes[-1]] if nodes else 0
+    keep = len(accepted) + 1
+    return accepted, choice, target.commit(verified, keep, row=row), verified.step.hidden[row, :keep]

@@ -2,18 +2,25 @@
 
 Gated DeltaNet layers keep a recurrent state that only moves forward: after verifying B draft
 tokens, cropping the KV cache of the attention layers does not bring the recurrent state back
-to the last accepted token. So verification (`verify`, `verify_rows`) runs on a copy of the
-committed state that records what a rollback needs: transformers' cache keeps the conv inputs of
-every verified position (`activate_past_recording`), and the gated delta rule's state after each
-verified position is computed alongside the verify pass (the chunked rule gives only the last;
-`_recording_states` steps the recurrent rule over the few verified tokens from the same initial
-state). `commit` then crops the cache to the accepted tokens and sets each recurrent state to
-the one after the last accepted token: no second target pass (tested against re-running the
-accepted tokens on the committed state, which is what decoding did before).
+to the last accepted token. So a block verification (`verify`, `verify_rows`) records what a
+rollback needs: transformers' cache keeps the conv inputs of every verified position
+(`activate_past_recording`), and the gated delta rule's state after each verified position is
+computed alongside the verify pass (the chunked rule gives only the last; `_recording_states`
+steps the recurrent rule over the few verified tokens from the same initial state). `commit`
+then crops the cache to the accepted tokens and sets each recurrent state to the one after the
+last accepted token: no second target pass (tested against re-running the accepted tokens on
+the committed state, which is what decoding did before).
+
+A draft tree is verified in one pass over its nodes (`verify_tree`): the attention layers take
+an ancestor mask over the committed cache plus the tree, and the Gated DeltaNet layers run as a
+tree (`_tree_rules`: each node's conv window is its ancestors' inputs, its recurrent state is
+stepped from its parent's). `commit_path` keeps the accepted path's keys/values, conv inputs
+and last recurrent state. Tested against `verify_rows` over the tree's root-to-leaf paths.
 
 This module is where the speculative decoder touches transformers' internals (the cache's layers
-and their states, the qwen3_5 modeling module's gated delta rule functions);
-tests/test_transformers_internals.py names each one.
+and their states, the qwen3_5 modeling module's conv and gated delta rule functions, the
+attention mask the forward takes per layer kind); tests/test_transformers_internals.py names
+each one.
 """
 
 from __future__ import annotations
@@ -53,10 +60,11 @@ class LiveTarget:
 
     @torch.no_grad()
     def verify(self, tokens: list[int], state, start: int, *, with_hidden: bool = True) -> Verified:
-        """`run` on a recording copy of `state`: `commit` can then keep any prefix of `tokens`."""
-        recording = _recording_copy(state)
+        """`run` with `state` recording: `commit` can then keep any prefix of `tokens`. `state` is
+        consumed (no copy of the whole cache per step; the committed state comes from `commit`)."""
+        state.activate_past_recording()
         with _recording_states() as states:
-            step = self.run(tokens, recording, start, with_hidden=with_hidden)
+            step = self.run(tokens, state, start, with_hidden=with_hidden)
         return Verified(step, len(tokens), states)
 
     @torch.no_grad()
@@ -94,6 +102,64 @@ class LiveTarget:
             _select_row(state, row)
         return state
 
+    @torch.no_grad()
+    def verify_tree(self, tokens: list[int], parents: list[int], state, start: int) -> TreeVerified:
+        """One target pass over a token tree continuing `state`, each token processed once.
+        tokens[0] is the root (at position `start`), parents[i] < i is token i's parent (-1 for
+        the root). Full-attention layers see the committed cache plus the token's ancestors
+        (an ancestor mask); linear-attention layers start each token from its parent's
+        recurrent state and convolve over its ancestors' inputs (`_tree_rules`). Logits [N, V]
+        and tapped hidden states [N, n, H] per token; `commit_path` keeps one root path.
+        `state` is consumed (the committed state comes from `commit_path`)."""
+        n = len(tokens)
+        if len(parents) != n or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
+            raise ValueError("parents: the root first (-1), then each token after its parent")
+        depth = [0] * n
+        ancestry = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+            ancestry[i] |= ancestry[parents[i]]
+        committed = torch.ones(n, start, dtype=torch.bool)
+        visible = torch.cat([committed, ancestry], dim=1)[None, None].to(self.device)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        positions = (start + torch.tensor(depth, device=self.device))[None]
+        state.activate_past_recording()   # the conv inputs of every tree token stay until commit_path
+        with _tree_rules(parents) as states:
+            out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True, output_hidden_states=True,
+                             attention_mask={"full_attention": _attention_mask(self.model, visible),
+                                             "linear_attention": None})
+        self.passes += 1
+        self.tokens += n
+        hidden = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1).float()
+        return TreeVerified(Step(out.logits[0].float(), hidden, out.cache), n, states)
+
+    @staticmethod
+    def commit_path(verified: TreeVerified, path: list[int]):
+        """The state after the tree tokens `path` (the root, then each next one a child of the one
+        before), from the tree pass alone: the path's keys/values and conv inputs are kept, each
+        recurrent state is the one after the path's last token."""
+        state, n = verified.step.state, verified.length
+        kept = torch.tensor(path, dtype=torch.long)
+        linear = iter(verified.states)
+        for layer in state.layers:
+            if hasattr(layer, "recurrent_states"):
+                per_token = next(linear, None)
+                if per_token is None:
+                    raise RuntimeError("fewer recorded tree recurrences than linear-attention layers "
+                                       "(transformers' qwen3_5 forward changed?)")
+                conv = layer.conv_states[0]
+                before = conv.shape[-1] - n
+                path_inputs = torch.cat([conv[..., :before], conv[..., before + kept.to(conv.device)]], dim=-1)
+                layer.conv_states[0] = path_inputs[..., -layer.conv_kernel_size[0]:].contiguous()
+                layer.recurrent_states[0] = per_token[path[-1]]
+                layer.record_past = False
+            elif getattr(layer, "keys", None) is not None:
+                before = layer.keys.shape[-2] - n
+                index = torch.cat([torch.arange(before), before + kept]).to(layer.keys.device)
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        return state
+
     @staticmethod
     def copy(state):
         return copy.deepcopy(state)
@@ -106,10 +172,89 @@ class Verified:
     states: list[list[torch.Tensor]]   # per linear-attention layer, its recurrent state after each verified token
 
 
-def _recording_copy(state):
-    recording = copy.deepcopy(state)
-    recording.activate_past_recording()
-    return recording
+@dataclass
+class TreeVerified:
+    step: Step
+    length: int                        # tree tokens, the root included
+    states: list[list[torch.Tensor]]   # per linear-attention layer, its recurrent state after each tree token
+
+
+def _attention_mask(model, visible: torch.Tensor) -> torch.Tensor:
+    """The tree's [1, 1, N, T + N] visibility as the model's attention function takes a mask."""
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":
+        return visible
+    if implementation == "eager":
+        return torch.zeros(visible.shape, dtype=model.dtype, device=visible.device).masked_fill(
+            ~visible, torch.finfo(model.dtype).min)
+    raise ValueError(f"tree verification needs an attention implementation that takes a mask (sdpa, eager); "
+                     f"the target runs {implementation!r}: use the batched-paths verification")
+
+
+@contextlib.contextmanager
+def _tree_rules(parents: list[int]):
+    """While active, the qwen3_5 Gated DeltaNet layers treat their sequence as the token tree
+    given by `parents` (the root first): the causal conv of a token reads its ancestors' inputs
+    (back into the committed conv state past the root), and the gated delta rule runs depth by
+    depth, each token's recurrent state stepped from its parent's with the single-step rule
+    (the one a one-token decode uses). Each layer's per-token states are appended to the
+    yielded list, one list per linear-attention layer in order."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    conv_fn, chunked, single = modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule, \
+        modeling.torch_recurrent_gated_delta_rule
+    n = len(parents)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    levels = [[i for i in range(n) if depth[i] == d] for d in range(max(depth) + 1)]
+    recorded: list[list[torch.Tensor]] = []
+
+    def tree_conv(x, weight, bias=None, activation=None, **kwargs):
+        # x: [1, C, P + n] = the committed conv inputs (the last P = kernel size) then the tree's.
+        kernel, before = weight.shape[-1], x.shape[-1] - n
+        windows = []
+        for i in range(n):
+            window, node, back = [], i, before - 1
+            while len(window) < kernel:
+                if node >= 0:
+                    window.append(before + node)
+                    node = parents[node]
+                else:
+                    window.append(max(back, 0))
+                    back -= 1
+            windows.append(window[::-1])
+        taps = x.to(weight.dtype)[:, :, torch.tensor(windows, device=x.device)]   # [1, C, n, kernel]
+        out = (taps * weight[None, :, None, :]).sum(-1)
+        if bias is not None:
+            out = out + bias[None, :, None]
+        if activation is not None:
+            out = modeling.ACT2FN[activation](out)
+        return torch.cat([x.new_zeros(*x.shape[:2], before), out.to(x.dtype)], dim=-1)  # the forward keeps the last n
+
+    def tree_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):
+        states: list[torch.Tensor | None] = [None] * n
+        out = None
+        for level in levels:
+            index = torch.tensor(level, device=query.device)
+            start = initial_state if level == [0] else torch.cat([states[parents[i]] for i in level])
+            o, s = single(query[0, index, None], key[0, index, None], value[0, index, None], g=g[0, index, None],
+                          beta=beta[0, index, None], initial_state=start, output_final_state=True,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            if out is None:
+                out = o.new_zeros(1, n, *o.shape[2:])
+            out[0, index] = o[:, 0]
+            for k, i in enumerate(level):
+                states[i] = s[k:k + 1]
+        recorded.append(states)
+        return out, (states[-1] if output_final_state else None)
+
+    modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule = tree_conv, tree_rule
+    try:
+        yield recorded
+    finally:
+        modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule = conv_fn, chunked
 
 
 @contextlib.contextmanager
