@@ -3,100 +3,26 @@
 Kernel provenance for the linear-attention ops of transformers' qwen3_5 modeling: transformers
 binds each op at import time (hub kernels, then fla / causal_conv1d, then the torch reference)
 inside a wrapper closure. `bound_kernels` reads what was bound; `KernelCallCounter` counts what
-was actually called during a forward, by wrapping the module globals the layers call through.
+was actually called during a forward, by wrapping the module globals the layers call through
+(both in pipeline/transformers_internals.py); `kernel_record` puts them together.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.metadata
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-# Module-level names in transformers.models.qwen3_5.modeling_qwen3_5 -> the op they implement.
-LINEAR_ATTENTION_OPS = {
-    "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
-    "causal_conv1d_fn": "causal_conv1d_fn",
-    "causal_conv1d_update": "causal_conv1d_update",
-}
-
-
-def _closure_value(fn, name: str):
-    while fn is not None:
-        code = getattr(fn, "__code__", None)
-        if code is not None and name in code.co_freevars and fn.__closure__:
-            return fn.__closure__[code.co_freevars.index(name)].cell_contents
-        fn = getattr(fn, "__wrapped__", None)
-    return None
-
-
-def _kind(impl) -> str:
-    module = getattr(impl, "__module__", "") or ""
-    if module.startswith("fla"):
-        return "fla"
-    if module.startswith("causal_conv1d"):
-        return "causal_conv1d"
-    if module.startswith("kernels") or "hub" in module:
-        return "hub-kernel"
-    return "torch"
-
-
-def bound_kernels(modeling_module) -> dict:
-    """{op: {kind, implementation}}. The wrapper copies the torch function's name onto itself, so
-    only its closure tells what it dispatches to: without that closure (transformers renamed its
-    internals, or stopped wrapping) the kind is "unknown", never a guess from the name."""
-    out = {}
-    for attr, op in LINEAR_ATTENTION_OPS.items():
-        fn = getattr(modeling_module, attr, None)
-        if fn is None:
-            continue
-        impl = _closure_value(getattr(fn, "_counted_original", fn), "implementation")
-        if impl is None:
-            out[op] = {"kind": "unknown", "implementation": f"undetermined ({attr} has no 'implementation' closure)"}
-            continue
-        out[op] = {"kind": _kind(impl), "implementation": f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"}
-    return out
-
-
-class KernelCallCounter:
-    """Counts calls of each linear-attention op while active (patches the module globals)."""
-
-    def __init__(self, model):
-        self.module = sys.modules[type(model).__module__]
-        self.counts = {op: 0 for attr, op in LINEAR_ATTENTION_OPS.items() if hasattr(self.module, attr)}
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self):
-        for attr, op in LINEAR_ATTENTION_OPS.items():
-            original = getattr(self.module, attr, None)
-            if original is None:
-                continue
-            self._saved[attr] = original
-
-            @functools.wraps(original)
-            def counted(*args, __op=op, __fn=original, **kwargs):
-                self.counts[__op] += 1
-                return __fn(*args, **kwargs)
-
-            counted._counted_original = original
-            setattr(self.module, attr, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for attr, original in self._saved.items():
-            setattr(self.module, attr, original)
-        self._saved.clear()
+from pipeline.transformers_internals import bound_kernels, modeling_module_of
 
 
 def kernel_record(model, counts: dict[str, int]) -> dict:
     """Per op: what was bound and how often it ran; plus a one-word path for quick comparison."""
-    bound = bound_kernels(sys.modules[type(model).__module__])
+    bound = bound_kernels(modeling_module_of(model))
     ops = {op: {**info, "calls": counts.get(op, 0)} for op, info in bound.items()}
     called = sorted({info["kind"] for info in ops.values() if info["calls"]})
     linear = "linear_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or [])

@@ -23,8 +23,8 @@ def attention_plan(num_key_value_heads: int, tp: int) -> tuple[dict[str, str], s
 
 
 def tp_load_kwargs(layout: Layout, num_key_value_heads: int) -> tuple[dict, str]:
-    from transformers.distributed import DistributedConfig
+    from pipeline.transformers_internals import distributed_config
 
     overrides, description = attention_plan(num_key_value_heads, layout.tp)
-    config = DistributedConfig(tp_size=layout.tp, dp_replicate_size=layout.dp, tp_plan=overrides or "auto")
+    config = distributed_config(layout.tp, layout.dp, overrides or "auto")
     return {"distributed_config": config}, description

@@ -21,6 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
+from pipeline.transformers_internals import takes_tree_mask
 
 
 def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
@@ -194,9 +195,9 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     tokenizer = load_tokenizer(target_dir)
     model = load_model(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
-    if tree_budgets and tree_verify == "tree" and model.config._attn_implementation not in ("sdpa", "eager"):
-        raise PipelineError(f"--tree-verify tree: the target runs attention {model.config._attn_implementation!r}, which "
-                            "takes no tree mask (sdpa and eager do); pass --tree-verify paths")
+    if tree_budgets and tree_verify == "tree" and not takes_tree_mask(model):
+        raise PipelineError(f"--tree-verify tree: the target's attention implementation takes no tree mask (sdpa "
+                            "and eager do); pass --tree-verify paths")
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)}
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
 

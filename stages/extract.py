@@ -31,7 +31,6 @@ from pipeline.distributed import Layout, init_layout
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 from pipeline.provenance import (
-    KernelCallCounter,
     environment,
     kernel_record,
     sha256_file,
@@ -39,6 +38,7 @@ from pipeline.provenance import (
     weight_digests,
 )
 from pipeline.taps import TAP_CONVENTION, default_taps, validate_taps
+from pipeline.transformers_internals import KernelCallCounter
 from pipeline.target import (
     chat_template_sha256,
     load_model,

@@ -19,7 +19,8 @@ from pipeline.cache.reader import CacheReader
 from pipeline.cache.sample_checks import shard_tokens
 from pipeline.capture import tail_forward
 from pipeline.errors import PipelineError
-from pipeline.provenance import KernelCallCounter, kernel_record
+from pipeline.provenance import kernel_record
+from pipeline.transformers_internals import KernelCallCounter
 
 # How far a stored prediction may be from the tail recompute, in logits, by hidden format: the
 # stored tap is rounded to bf16 (or fp8), so the recompute starts from a slightly different

@@ -124,20 +124,21 @@ TREE_VERIFY = ("tree", "paths")
 
 
 def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int], budget: int,
-                top_k: int = 8, cached: bool = True, verify: str = "tree") -> Decoded:
+                top_k: int = 8, cached: bool = True, verify: str = "tree", draft=None) -> Decoded:
     """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
     down it. `verify="tree"` processes each tree node once (an ancestor mask for the attention
     layers, per-node recurrent states from the parent's for the Gated DeltaNet layers);
     `verify="paths"` batches the tree's root-to-leaf paths as rows (shared prefixes recomputed;
-    the exactness reference). Either way the committed state is cut out of that one pass."""
+    the exactness reference). Either way the committed state is cut out of that one pass.
+    `draft(anchor, pos) -> [B-1, V] logits` overrides the drafter (benchmarks use an oracle)."""
     if verify not in TREE_VERIFY:
         raise ValueError(f"verify must be one of {TREE_VERIFY}, got {verify!r}")
     start = target.passes
-    context = drafting(drafter, cached)
+    context = drafting(drafter, cached) if draft is None else None
     state, pos, bonus = _prefill(target, prompt, context)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
-        logprobs = torch.log_softmax(context.logits(bonus, pos), dim=-1)
+        logprobs = torch.log_softmax(draft(bonus, pos) if draft else context.logits(bonus, pos), dim=-1)
         tree = build_tree(logprobs, budget, top_k)
         result.drafts.append(list(tree.tokens))
         walk = _verify_as_tree if verify == "tree" else _verify_as_paths
@@ -146,7 +147,8 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
         result.verify_passes += 1
         result.verify_tokens += target.tokens - before
         result.accepted.append(len(accepted))
-        context.extend(hidden)                            # the bonus token's and the accepted tokens'
+        if context is not None:
+            context.extend(hidden)                        # the bonus token's and the accepted tokens'
         pos += len(accepted) + 1
         if _finish(result.tokens, accepted, eos, max_new):
             break

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX, Qwen3_5Tokenizer
 
 from pipeline.toy.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, SPECIAL_TOKENS
+from pipeline.transformers_internals import qwen3_5_pretokenizer
+
+PRETOKENIZE_REGEX, Qwen3_5Tokenizer = qwen3_5_pretokenizer()
 
 
 def _byte_level_pretokenizer() -> pre_tokenizers.PreTokenizer:
