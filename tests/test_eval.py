@@ -300,3 +300,20 @@ def test_tree_and_paths_verification_decode_the_same_tokens(trained, live, promp
             assert tree.tokens == paths.tokens == reference and tree.accepted == paths.accepted
             accepted += sum(tree.accepted)
     assert accepted > 50  # the walk goes down the tree, not only the root
+
+
+def test_odd_prompts_decode_losslessly(trained, tmp_path):
+    """Empty, one-character, whitespace, very long (about 2,900 tokens), emoji / CJK / RTL /
+    combining marks, special-token look-alikes, control characters, tool-call history: block and
+    DDTree 16 / 64 equal greedy on every one."""
+    from pipeline.speculative.odd_prompts import odd_conversations
+
+    rows = odd_conversations()
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    result = run_eval(trained, target=None, prompts=path, max_new_tokens=32, block_size=None, tree_budgets=[16, 64],
+                      tree_top_k=8, limit=None)
+    assert result["prompts"] == len(rows) >= 12
+    assert result["lossless"], (result["block"]["mismatched_prompts"], {b: t["mismatched_prompts"] for b, t in result["tree"].items()})
+    assert result["greedy"]["tokens"] > 5 * len(rows)  # most prompts decode more than a token or two
+    assert result["tree"]["64"]["target_tokens_per_verify"] == 65.0  # every node once, the root included
