@@ -195,6 +195,7 @@ def eval_(
     tree_budget: Annotated[str, typer.Option(help="DDTree node budgets, comma-separated ('' for none).")] = "16,64",
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
     tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'tree' (each node once: ancestor mask, per-node recurrent states) or 'paths' (root-to-leaf paths as batch rows; for attention implementations that take no mask).")] = "tree",
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them (each still checked against its own greedy run); worth it on a GPU.")] = 1,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
     cache: Annotated[Optional[Path], typer.Option(help="A cache of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
     device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
@@ -211,7 +212,7 @@ def eval_(
     with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
-                          device=device, dtype=dtype, tree_verify=tree_verify)
+                          device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size)
     _show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import functools
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -140,29 +141,79 @@ def keep_prefix(state, length: int, keep: int, per_position: list[list[torch.Ten
         layer.record_past = False
 
 
-def keep_path(state, length: int, path: list[int], per_token: list[list[torch.Tensor]]) -> None:
-    """Cut a recorded tree pass of `length` tokens down to the tokens `path` (a root path): their
-    keys/values and conv inputs kept in path order, each recurrent state the one after the
-    path's last token."""
-    kept = torch.tensor(path, dtype=torch.long)
-    linear = iter(per_token)
+def keep_path(state, length: int, paths: list[list[int]], inputs: list[TreeStepInputs],
+              valid: torch.Tensor | None) -> torch.Tensor | None:
+    """Cut a recorded tree pass of `length` tokens per row down to each row's root path
+    `paths[b]`: their keys/values and conv inputs kept in path order, each recurrent state the
+    one after the path's last token. `valid` [B, T]: which committed key/value slots are real
+    (None: all). Rows keep paths of different lengths, so a row's keys/values are padded to the
+    longest with slots marked invalid; returns the new `valid` (None when every slot is real)."""
+    rows, longest = len(paths), max(len(p) for p in paths)
+    linear = iter(inputs)
+    new_valid = None
     for layer in state.layers:
         if is_linear_attention(layer):
-            states = next(linear, None)
-            if states is None:
+            recorded = next(linear, None)
+            if recorded is None:
                 raise RuntimeError("fewer recorded tree recurrences than linear-attention layers "
                                    "(transformers' qwen3_5 forward changed?)")
             conv = layer.conv_states[0]
-            before = conv.shape[-1] - length
-            path_inputs = torch.cat([conv[..., :before], conv[..., before + kept.to(conv.device)]], dim=-1)
-            layer.conv_states[0] = path_inputs[..., -layer.conv_kernel_size[0]:].contiguous()
-            layer.recurrent_states[0] = states[path[-1]]
+            before, kernel = conv.shape[-1] - length, layer.conv_kernel_size[0]
+            index = torch.tensor([(list(range(before)) + [before + i for i in p])[-kernel:] for p in paths],
+                                 device=conv.device)
+            layer.conv_states[0] = conv.gather(-1, index[:, None, :].expand(-1, conv.shape[1], -1)).contiguous()
+            layer.recurrent_states[0] = path_states(recorded, paths)
             layer.record_past = False
         elif getattr(layer, "keys", None) is not None:
             before = layer.keys.shape[-2] - length
-            index = torch.cat([torch.arange(before), before + kept]).to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+            index = torch.tensor([list(range(before)) + [before + i for i in p] + [before + p[-1]] * (longest - len(p))
+                                  for p in paths], device=layer.keys.device)
+            expand = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(-2, expand), layer.values.gather(-2, expand)
+            if new_valid is None:
+                kept = torch.tensor([[True] * len(p) + [False] * (longest - len(p)) for p in paths], device=index.device)
+                old = valid if valid is not None else torch.ones(rows, before, dtype=torch.bool, device=index.device)
+                new_valid = torch.cat([old.to(index.device), kept], dim=1)
+    if new_valid is not None and bool(new_valid.all()):
+        return None
+    return new_valid
+
+
+def stack_rows(states: list, lengths: list[int]):
+    """One cache whose row b is the batch-1 cache `states[b]` of a sequence of lengths[b] tokens:
+    linear-attention states concatenated, keys/values right-padded to the longest (the padding
+    marked invalid). Returns (cache, valid [B, T] or None). The states are consumed."""
+    merged, longest = states[0], max(lengths)
+    for i, layer in enumerate(merged.layers):
+        layers = [s.layers[i] for s in states]
+        if is_linear_attention(layer):
+            layer.conv_states[0] = torch.cat([x.conv_states[0] for x in layers])
+            layer.recurrent_states[0] = torch.cat([x.recurrent_states[0] for x in layers])
+        elif getattr(layer, "keys", None) is not None:
+            pad = [longest - x.keys.shape[-2] for x in layers]
+            layer.keys = torch.cat([torch.nn.functional.pad(x.keys, (0, 0, 0, p)) for x, p in zip(layers, pad)])
+            layer.values = torch.cat([torch.nn.functional.pad(x.values, (0, 0, 0, p)) for x, p in zip(layers, pad)])
+    valid = torch.arange(longest)[None] < torch.tensor(lengths)[:, None]
+    return merged, (None if bool(valid.all()) else valid)
+
+
+def keep_rows(state, rows: list[int], valid: torch.Tensor | None):
+    """Rows `rows` of a batched cache, in place; key/value slots no kept row uses are dropped.
+    Returns the kept rows' `valid`."""
+    index = torch.tensor(rows)
+    map_state_tensors(state, lambda t: t.index_select(0, index.to(t.device)))
+    if valid is None:
+        return None
+    valid = valid[index]
+    used = valid.any(0)
+    if not bool(used.all()):
+        columns = used.nonzero()[:, 0]
+        for layer in state.layers:
+            if not is_linear_attention(layer) and getattr(layer, "keys", None) is not None:
+                layer.keys = layer.keys.index_select(-2, columns.to(layer.keys.device))
+                layer.values = layer.values.index_select(-2, columns.to(layer.values.device))
+        valid = valid[:, columns]
+    return None if bool(valid.all()) else valid
 
 
 def map_state_tensors(state, fn) -> None:
@@ -214,41 +265,71 @@ def takes_tree_mask(model) -> bool:
     return model.config._attn_implementation in ("sdpa", "eager")
 
 
+@dataclass
+class TreeStepInputs:
+    """What one linear-attention layer's gated delta rule got for a tree pass: its initial
+    (committed) state per row and each token's step inputs. The state after any root path is
+    re-derived from these (`path_states`): keeping every token's state instead would cost
+    budget x heads x key dim x value dim per layer (about 10 GB at Qwen3.6-27B, budget 64)."""
+    initial: torch.Tensor | None   # [B, H, Dk, Dv]
+    query: torch.Tensor            # [B, n, H, Dk] (key heads; the rule repeats them)
+    key: torch.Tensor
+    value: torch.Tensor            # [B, n, Hv, Dv]
+    g: torch.Tensor                # [B, n, Hv]
+    beta: torch.Tensor
+    l2norm: bool
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
 @contextlib.contextmanager
-def tree_rules(parents: list[int]):
-    """While active, the qwen3_5 Gated DeltaNet layers treat their sequence as the token tree
-    given by `parents` (the root first): the causal conv of a token reads its ancestors' inputs
-    (back into the committed conv state past the root), and the gated delta rule runs depth by
-    depth, each token's recurrent state stepped from its parent's with the single-step rule
-    (the one a one-token decode uses). Each layer's per-token states are appended to the
-    yielded list, one list per linear-attention layer in order."""
+def tree_rules(parents: list[list[int]]):
+    """While active, the qwen3_5 Gated DeltaNet layers treat row b of their batch as the token tree
+    given by `parents[b]` (the root first; every row has the same number of tokens): the causal
+    conv of a token reads its ancestors' inputs (back into the committed conv state past the
+    root), and the gated delta rule runs depth by depth over all rows at once, each token's
+    recurrent state stepped from its parent's with the single-step rule (the one a one-token
+    decode uses). Yields a list that receives each linear-attention layer's `TreeStepInputs`, in
+    order."""
     modeling = _qwen3_5_modeling()
 
     conv_fn, chunked, single = modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule, \
         modeling.torch_recurrent_gated_delta_rule
-    n = len(parents)
-    depth = [0] * n
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
-    levels = [[i for i in range(n) if depth[i] == d] for d in range(max(depth) + 1)]
-    recorded: list[list[torch.Tensor]] = []
+    rows, n = len(parents), len(parents[0])
+    depths = [_depths(p) for p in parents]
+    levels, slot = [], {}   # per depth: (rows, tokens, the parents' slots in the level above)
+    for d in range(max(max(x) for x in depths) + 1):
+        pairs = [(b, i) for b in range(rows) for i in range(n) if depths[b][i] == d]
+        above = [slot[(b, parents[b][i])] for b, i in pairs] if d else None
+        levels.append(([b for b, _ in pairs], [i for _, i in pairs], above))
+        slot = {pair: k for k, pair in enumerate(pairs)}
+    recorded: list[TreeStepInputs] = []
 
     def tree_conv(x, weight, bias=None, activation=None, **kwargs):
-        # x: [1, C, P + n] = the committed conv inputs (the last P = kernel size) then the tree's.
+        # x: [B, C, P + n] = the committed conv inputs (the last P = kernel size) then the tree's.
         kernel, before = weight.shape[-1], x.shape[-1] - n
         windows = []
-        for i in range(n):
-            window, node, back = [], i, before - 1
-            while len(window) < kernel:
-                if node >= 0:
-                    window.append(before + node)
-                    node = parents[node]
-                else:
-                    window.append(max(back, 0))
-                    back -= 1
-            windows.append(window[::-1])
-        taps = x.to(weight.dtype)[:, :, torch.tensor(windows, device=x.device)]   # [1, C, n, kernel]
-        out = (taps * weight[None, :, None, :]).sum(-1)
+        for b in range(rows):
+            row = []
+            for i in range(n):
+                window, node, back = [], i, before - 1
+                while len(window) < kernel:
+                    if node >= 0:
+                        window.append(before + node)
+                        node = parents[b][node]
+                    else:
+                        window.append(max(back, 0))
+                        back -= 1
+                row.append(window[::-1])
+            windows.append(row)
+        index = torch.tensor(windows, device=x.device)                                      # [B, n, kernel]
+        taps = x.transpose(1, 2)[torch.arange(rows, device=x.device)[:, None, None], index]  # [B, n, kernel, C]
+        out = torch.einsum("bnkc,ck->bcn", taps.to(weight.dtype), weight)
         if bias is not None:
             out = out + bias[None, :, None]
         if activation is not None:
@@ -257,27 +338,48 @@ def tree_rules(parents: list[int]):
 
     def tree_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, **kwargs):
-        states: list[torch.Tensor | None] = [None] * n
-        out = None
-        for level in levels:
-            index = torch.tensor(level, device=query.device)
-            start = initial_state if level == [0] else torch.cat([states[parents[i]] for i in level])
-            o, s = single(query[0, index, None], key[0, index, None], value[0, index, None], g=g[0, index, None],
-                          beta=beta[0, index, None], initial_state=start, output_final_state=True,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        out, above = None, None
+        for level_rows, tokens, parent_slots in levels:
+            b = torch.tensor(level_rows, device=query.device)
+            i = torch.tensor(tokens, device=query.device)
+            if parent_slots is None:
+                start = None if initial_state is None else initial_state[b]
+            else:
+                start = above[torch.tensor(parent_slots, device=query.device)]
+            o, above = single(query[b, i, None], key[b, i, None], value[b, i, None], g=g[b, i, None], beta=beta[b, i, None],
+                              initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             if out is None:
-                out = o.new_zeros(1, n, *o.shape[2:])
-            out[0, index] = o[:, 0]
-            for k, i in enumerate(level):
-                states[i] = s[k:k + 1]
-        recorded.append(states)
-        return out, (states[-1] if output_final_state else None)
+                out = o.new_zeros(rows, n, *o.shape[2:])
+            out[b, i] = o[:, 0]
+        recorded.append(TreeStepInputs(initial_state, query, key, value, g, beta, use_qk_l2norm_in_kernel))
+        # The cache keeps its committed state until keep_path sets the path's.
+        final = initial_state if initial_state is not None else torch.zeros_like(above[:1]).expand(rows, *above.shape[1:])
+        return out, (final if output_final_state else None)
 
     modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule = tree_conv, tree_rule
     try:
         yield recorded
     finally:
         modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule = conv_fn, chunked
+
+
+def path_states(inputs: TreeStepInputs, paths: list[list[int]]) -> torch.Tensor:
+    """[B, H, Dk, Dv]: each row's recurrent state after the tokens `paths[b]` of its tree,
+    stepped from the committed state with the single-step rule (as the tree pass did)."""
+    single = _qwen3_5_modeling().torch_recurrent_gated_delta_rule
+    state = None if inputs.initial is None else inputs.initial.clone()
+    for t in range(max(len(p) for p in paths)):
+        rows = [b for b, p in enumerate(paths) if len(p) > t]
+        b = torch.tensor(rows, device=inputs.query.device)
+        i = torch.tensor([paths[r][t] for r in rows], device=inputs.query.device)
+        start = None if state is None else state[b]
+        _, after = single(inputs.query[b, i, None], inputs.key[b, i, None], inputs.value[b, i, None],
+                          g=inputs.g[b, i, None], beta=inputs.beta[b, i, None], initial_state=start,
+                          output_final_state=True, use_qk_l2norm_in_kernel=inputs.l2norm)
+        if state is None:
+            state = after.new_zeros(len(paths), *after.shape[1:])
+        state[b] = after
+    return state
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch
 
 from pipeline.drafter.export import load_drafter
 from pipeline.errors import PipelineError
+from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
@@ -168,13 +169,17 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
-             tree_verify: str = "tree") -> dict:
+             tree_verify: str = "tree", batch_size: int = 1) -> dict:
     from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
 
     device_, dtype_ = resolve_device(device, dtype)
     if tree_verify not in TREE_VERIFY:
         raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, got {tree_verify!r}")
+    if batch_size < 1:
+        raise PipelineError(f"--batch-size must be >= 1, got {batch_size}")
+    if batch_size > 1 and tree_verify != "tree":
+        raise PipelineError("--batch-size > 1 verifies each prompt's tree in one pass over its nodes: use --tree-verify tree")
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
     target_dir = resolve_target(target, recorded)
@@ -195,29 +200,36 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     tokenizer = load_tokenizer(target_dir)
     model = load_model(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
-    if tree_budgets and tree_verify == "tree" and not takes_tree_mask(model):
-        raise PipelineError(f"--tree-verify tree: the target's attention implementation takes no tree mask (sdpa "
-                            "and eager do); pass --tree-verify paths")
+    if (tree_budgets or batch_size > 1) and tree_verify == "tree" and not takes_tree_mask(model):
+        raise PipelineError("the target's attention implementation takes no tree mask (sdpa and eager do): "
+                            "use --tree-verify paths and --batch-size 1")
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)}
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
 
     reference, blocks, trees = [], [], {b: [] for b in tree_budgets}
     seconds = {"greedy": 0.0, "block": 0.0, **{f"tree{b}": 0.0 for b in tree_budgets}}
-    for item in items:
-        # Variants alternate per prompt, so machine drift hits them all alike.
+    for first in range(0, len(items), batch_size):
+        # Variants alternate per prompt (per batch of prompts), so machine drift hits them all alike.
+        chunk = [item["ids"] for item in items[first:first + batch_size]]
         t0 = time.perf_counter()
-        reference.append(greedy(live, item["ids"], max_new=max_new_tokens, eos=eos))
+        reference += [greedy(live, ids, max_new=max_new_tokens, eos=eos) for ids in chunk]
         seconds["greedy"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        blocks.append(block_decode(live, drafter, item["ids"], max_new=max_new_tokens, eos=eos))
+        if batch_size > 1:
+            blocks += decode_rows(live, drafter, chunk, max_new=max_new_tokens, eos=eos)
+        else:
+            blocks.append(block_decode(live, drafter, chunk[0], max_new=max_new_tokens, eos=eos))
         seconds["block"] += time.perf_counter() - t0
         for b in tree_budgets:
             t0 = time.perf_counter()
-            trees[b].append(tree_decode(live, drafter, item["ids"], max_new=max_new_tokens, eos=eos, budget=b,
-                                        top_k=tree_top_k, verify=tree_verify))
+            if batch_size > 1:
+                trees[b] += decode_rows(live, drafter, chunk, max_new=max_new_tokens, eos=eos, budget=b, top_k=tree_top_k)
+            else:
+                trees[b].append(tree_decode(live, drafter, chunk[0], max_new=max_new_tokens, eos=eos, budget=b,
+                                            top_k=tree_top_k, verify=tree_verify))
             seconds[f"tree{b}"] += time.perf_counter() - t0
         if progress:
-            progress(1)
+            progress(len(chunk))
     greedy_tokens = sum(len(r.tokens) for r in reference)
     extra = {}
     if cache is not None:
@@ -226,7 +238,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
         "max_new_tokens": max_new_tokens,
         "device": f"{device_} ({str(dtype_).removeprefix('torch.')})", "drafter_kv_cache": True,
-        "tree_verify": tree_verify,
+        "tree_verify": tree_verify, "batch_size": batch_size,
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
         "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),

@@ -28,7 +28,7 @@ def test_help_lists_the_stages():
     ("extract", ["--shards", "--config", "--target", "--data", "--cache", "--num-shards", "--top-k", "--tp"]),
     ("train", ["--cache", "--config", "--preset", "--target", "--out"]),
     ("verify-cache", ["--shards", "--target", "--recompute", "--sample-rate", "--show", "--json"]),
-    ("eval", ["--device", "--dtype", "--tree-budget", "--tree-verify", "--json"]),
+    ("eval", ["--device", "--dtype", "--tree-budget", "--tree-verify", "--batch-size", "--json"]),
 ])
 def test_stage_options_are_documented(command, options):
     result = invoke(command, "--help")

@@ -168,13 +168,19 @@ def test_eval_device_and_dtype_options(trained):
                       tree_top_k=4, limit=1, device="cpu", dtype="bfloat16")
     assert result["device"] == "cpu (bfloat16)" and result["prompts"] == 1
     assert result["greedy"]["tokens"] > 0 and result["block"]["tokens"] > 0 and result["tree"]["4"]["tokens"] > 0
-    for device, dtype, verify, message in (("meta", "auto", "tree", "--device: 'meta' is not supported"),
-                                           ("cpu", "float16", "tree", "--dtype: must be auto, float32 or bfloat16"),
-                                           ("nonsense:0", "auto", "tree", "--device: not a device"),
-                                           ("cpu", "auto", "nodes", "--tree-verify: must be one of tree, paths")):
+    batched = run_eval(trained, target=None, prompts=None, max_new_tokens=16, block_size=None, tree_budgets=[8],
+                       tree_top_k=4, limit=5, batch_size=3)
+    assert batched["batch_size"] == 3 and batched["prompts"] == 5 and batched["lossless"]
+    for device, dtype, verify, batch, message in (
+            ("meta", "auto", "tree", 1, "--device: 'meta' is not supported"),
+            ("cpu", "float16", "tree", 1, "--dtype: must be auto, float32 or bfloat16"),
+            ("nonsense:0", "auto", "tree", 1, "--device: not a device"),
+            ("cpu", "auto", "nodes", 1, "--tree-verify: must be one of tree, paths"),
+            ("cpu", "auto", "tree", 0, "--batch-size must be >= 1"),
+            ("cpu", "auto", "paths", 2, "--batch-size > 1 verifies each prompt's tree in one pass")):
         with pytest.raises(PipelineError, match=message):
             run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
-                     tree_top_k=4, limit=1, device=device, dtype=dtype, tree_verify=verify)
+                     tree_top_k=4, limit=1, device=device, dtype=dtype, tree_verify=verify, batch_size=batch)
     if not torch.cuda.is_available():
         with pytest.raises(PipelineError, match="--device cuda: no CUDA device is available here"):
             run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
@@ -317,3 +323,28 @@ def test_odd_prompts_decode_losslessly(trained, tmp_path):
     assert result["lossless"], (result["block"]["mismatched_prompts"], {b: t["mismatched_prompts"] for b, t in result["tree"].items()})
     assert result["greedy"]["tokens"] > 5 * len(rows)  # most prompts decode more than a token or two
     assert result["tree"]["64"]["target_tokens_per_verify"] == 65.0  # every node once, the root included
+
+
+def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, embedded):
+    """`decode_rows` (several prompts per verify pass: rows of different committed lengths, trees
+    of different shapes, finished prompts leaving the batch) against the single-prompt decoders:
+    the same drafts, the same accepted tokens at every step, the same output, for block and
+    DDTree 16 / 64; and one target pass per step for the whole batch."""
+    from pipeline.drafter.export import load_drafter
+    from pipeline.speculative.batched import decode_rows
+    from pipeline.speculative.decode import tree_decode
+
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
+    batch = [p["ids"] for p in prompts[30:37]] + [prompts[0]["ids"] * 3]   # lengths differ; one long
+    assert len({len(ids) for ids in batch}) > 4
+    for budget in (None, 16, 64):
+        single = [block_decode(live, drafter, ids, max_new=40, eos=EOS) if budget is None
+                  else tree_decode(live, drafter, ids, max_new=40, eos=EOS, budget=budget) for ids in batch]
+        before = live.passes
+        rows = decode_rows(live, drafter, batch, max_new=40, eos=EOS, budget=budget)
+        assert live.passes - before == len(batch) + max(r.verify_passes for r in rows)  # prefills + shared steps
+        assert len({r.verify_passes for r in rows}) > 1                                  # prompts finished apart
+        for one, many in zip(single, rows):
+            assert many.drafts == one.drafts and many.accepted == one.accepted and many.tokens == one.tokens
+            assert many.tokens == greedy(live, batch[rows.index(many)], max_new=40, eos=EOS).tokens

@@ -100,37 +100,68 @@ class LiveTarget:
         tokens[0] is the root (at position `start`), parents[i] < i is token i's parent (-1 for
         the root). Full-attention layers see the committed cache plus the token's ancestors
         (an ancestor mask); linear-attention layers start each token from its parent's
-        recurrent state and convolve over its ancestors' inputs (`internals.tree_rules`). Logits [N, V]
-        and tapped hidden states [N, n, H] per token; `commit_path` keeps one root path.
-        `state` is consumed (the committed state comes from `commit_path`)."""
-        n = len(tokens)
-        if len(parents) != n or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
-            raise ValueError("parents: the root first (-1), then each token after its parent")
-        depth = [0] * n
-        ancestry = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            depth[i] = depth[parents[i]] + 1
-            ancestry[i] |= ancestry[parents[i]]
-        committed = torch.ones(n, start, dtype=torch.bool)
-        visible = torch.cat([committed, ancestry], dim=1)[None, None].to(self.device)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        positions = (start + torch.tensor(depth, device=self.device))[None]
-        internals.start_recording(state)   # the conv inputs of every tree token stay until commit_path
-        with internals.tree_rules(parents) as states:
-            out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True, output_hidden_states=True,
-                             attention_mask=internals.tree_attention_masks(self.model, visible))
+        recurrent state and convolve over its ancestors' inputs (`internals.tree_rules`).
+        Logits [N, V] and tapped hidden states [N, n, H] per token; `commit_path` keeps one root
+        path. `state` is consumed (the committed state comes from `commit_path`)."""
+        verified = self.verify_trees([tokens], [parents], Rows(state, None, [start]))
+        return TreeVerified(Step(verified.step.logits[0], verified.step.hidden[0], verified.step.state),
+                            verified.length, verified.states, verified.rows)
+
+    @torch.no_grad()
+    def verify_trees(self, tokens: list[list[int]], parents: list[list[int]], rows: Rows) -> TreeVerified:
+        """`verify_tree` for several sequences at once: row b of `rows` continues with the tree
+        (tokens[b], parents[b]); every tree has the same number of tokens. Logits [B, N, V],
+        tapped hidden states [B, N, n, H]; `commit_paths` keeps one root path per row."""
+        count, n = len(tokens), len(tokens[0])
+        for t, p in zip(tokens, parents):
+            if len(t) != n or len(p) != n or p[0] != -1 or any(not 0 <= p[i] < i for i in range(1, n)):
+                raise ValueError("trees: the same number of tokens in each; parents: the root first (-1), "
+                                 "then each token after its parent")
+        ancestry = torch.eye(n, dtype=torch.bool).repeat(count, 1, 1)
+        depth = torch.zeros(count, n, dtype=torch.long)
+        for b, p in enumerate(parents):
+            for i in range(1, n):
+                ancestry[b, i] |= ancestry[b, p[i]]
+                depth[b, i] = depth[b, p[i]] + 1
+        committed = rows.valid if rows.valid is not None else torch.ones(count, rows.starts[0], dtype=torch.bool)
+        visible = torch.cat([committed[:, None, :].expand(-1, n, -1), ancestry], dim=2)[:, None].to(self.device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
+        internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths
+        with internals.tree_rules(parents) as inputs:
+            out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True,
+                             output_hidden_states=True, attention_mask=internals.tree_attention_masks(self.model, visible))
         self.passes += 1
-        self.tokens += n
-        hidden = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1).float()
-        return TreeVerified(Step(out.logits[0].float(), hidden, out.cache), n, states)
+        self.tokens += count * n
+        hidden = torch.stack([out.hidden_states[i + 1] for i in self.taps], dim=2).float()
+        return TreeVerified(Step(out.logits.float(), hidden, out.cache), n, inputs, rows)
 
     @staticmethod
     def commit_path(verified: TreeVerified, path: list[int]):
         """The state after the tree tokens `path` (the root, then each next one a child of the one
         before), from the tree pass alone: the path's keys/values and conv inputs are kept, each
         recurrent state is the one after the path's last token."""
-        internals.keep_path(verified.step.state, verified.length, path, verified.states)
-        return verified.step.state
+        return LiveTarget.commit_paths(verified, [path]).state
+
+    @staticmethod
+    def commit_paths(verified: TreeVerified, paths: list[list[int]]) -> Rows:
+        """`commit_path` for each row of `verify_trees`; the rows move on by their paths' lengths."""
+        valid = internals.keep_path(verified.step.state, verified.length, paths, verified.states, verified.rows.valid)
+        return Rows(verified.step.state, valid, [s + len(p) for s, p in zip(verified.rows.starts, paths)])
+
+    @torch.no_grad()
+    def prefill_rows(self, prompts: list[list[int]]) -> tuple[Rows, list[Step]]:
+        """Each prompt prefilled on its own (no padding inside the target's pass), then their
+        caches stacked into rows; the per-prompt steps carry the logits and tapped hidden states."""
+        steps = [self.run(p, None, 0) for p in prompts]
+        state, valid = internals.stack_rows([s.state for s in steps], [len(p) for p in prompts])
+        return Rows(state, valid, [len(p) for p in prompts]), steps
+
+    @staticmethod
+    def keep_rows(rows: Rows, keep: list[int]) -> Rows:
+        """Only rows `keep` (finished sequences leave the batch)."""
+        valid = internals.keep_rows(rows.state, keep, rows.valid)
+        return Rows(rows.state, valid, [rows.starts[i] for i in keep])
 
     @staticmethod
     def copy(state):
@@ -145,7 +176,18 @@ class Verified:
 
 
 @dataclass
+class Rows:
+    """Several sequences continuing in one batched cache. Their lengths differ, so the attention
+    layers' key/value slots of row b are real where valid[b] (None: all real); `starts[b]` is row
+    b's next position."""
+    state: object
+    valid: torch.Tensor | None
+    starts: list[int]
+
+
+@dataclass
 class TreeVerified:
     step: Step
-    length: int                        # tree tokens, the root included
-    states: list[list[torch.Tensor]]   # per linear-attention layer, its recurrent state after each tree token
+    length: int                                     # tree tokens per row, the root included
+    states: list[internals.TreeStepInputs]          # per linear-attention layer, its step inputs
+    rows: Rows                                      # what the trees continued
