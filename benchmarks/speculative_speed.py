@@ -11,7 +11,8 @@ Two measurements in one run, on one target:
    B tokens for scale.
 2. **Speed vs greedy**: greedy, block, DDTree (tree verification) at each budget, and DDTree
    with path verification, prompt by prompt in turn (drift hits them alike), every output
-   checked against greedy.
+   checked against greedy; then block and DDTree with all prompts in one batch (`decode_rows`,
+   one verify pass per step for the batch) against the same greedy time.
 
 The target: `random` = a transformers `Qwen3_5ForCausalLM` with random weights (every 4th layer
 full attention, as Qwen3.6; about 230 M parameters at the defaults), or `embedded` = the
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from pipeline.speculative.batched import decode_rows  # noqa: E402
 from pipeline.speculative.decode import block_decode, greedy, tree_decode  # noqa: E402
 from pipeline.speculative.live_target import LiveTarget  # noqa: E402
 from pipeline.speculative.tree import build_tree  # noqa: E402
@@ -149,6 +151,18 @@ def decode_speed(live: LiveTarget, vocab: int, prompts: list[list[int]], budgets
             steps[m] += len(run.accepted)
             accepted[m] += sum(run.accepted)
             identical[m] += run.tokens == reference
+    references = [greedy(live, p, max_new=max_new, eos=eos).tokens for p in prompts]
+    oracles = [Oracle(r, len(p), vocab, accuracy, seed=i) for i, (r, p) in enumerate(zip(references, prompts))]
+    for budget in [None, *budgets]:
+        m = "block-batch" if budget is None else f"ddtree{budget}-batch"
+        methods.append(m)
+        t0 = time.perf_counter()
+        runs = decode_rows(live, None, prompts, max_new=max_new, eos=eos, budget=budget, draft=oracles)
+        seconds[m] = time.perf_counter() - t0
+        tokens[m] = sum(len(r.tokens) for r in runs)
+        steps[m] = sum(len(r.accepted) for r in runs)
+        accepted[m] = sum(sum(r.accepted) for r in runs)
+        identical[m] = sum(r.tokens == ref for r, ref in zip(runs, references))
     return {m: {"tokens": tokens[m], "wall_s": seconds[m], "tokens_per_s": tokens[m] / seconds[m],
                 "speed_vs_greedy": seconds["greedy"] / seconds[m],
                 **({"tau": (accepted[m] + steps[m]) / steps[m], "identical_to_greedy": f"{identical[m]}/{len(prompts)}"}

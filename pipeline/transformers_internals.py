@@ -364,21 +364,20 @@ def tree_rules(parents: list[list[int]]):
 
 
 def path_states(inputs: TreeStepInputs, paths: list[list[int]]) -> torch.Tensor:
-    """[B, H, Dk, Dv]: each row's recurrent state after the tokens `paths[b]` of its tree,
-    stepped from the committed state with the single-step rule (as the tree pass did)."""
-    single = _qwen3_5_modeling().torch_recurrent_gated_delta_rule
-    state = None if inputs.initial is None else inputs.initial.clone()
-    for t in range(max(len(p) for p in paths)):
-        rows = [b for b, p in enumerate(paths) if len(p) > t]
-        b = torch.tensor(rows, device=inputs.query.device)
-        i = torch.tensor([paths[r][t] for r in rows], device=inputs.query.device)
-        start = None if state is None else state[b]
-        _, after = single(inputs.query[b, i, None], inputs.key[b, i, None], inputs.value[b, i, None],
-                          g=inputs.g[b, i, None], beta=inputs.beta[b, i, None], initial_state=start,
-                          output_final_state=True, use_qk_l2norm_in_kernel=inputs.l2norm)
-        if state is None:
-            state = after.new_zeros(len(paths), *after.shape[1:])
-        state[b] = after
+    """[B, H, Dk, Dv]: each row's recurrent state after the tokens `paths[b]` of its tree, from
+    the committed state: one chunked gated delta rule call over the paths' step inputs (the
+    kernel a prefill uses; fla's on a GPU), shorter paths padded with steps that change nothing
+    (beta = 0: no write; g = 0: no decay)."""
+    chunked = _qwen3_5_modeling().torch_chunk_gated_delta_rule
+    longest = max(len(p) for p in paths)
+    device = inputs.query.device
+    rows = torch.arange(len(paths), device=device)[:, None]
+    index = torch.tensor([p + [0] * (longest - len(p)) for p in paths], device=device)
+    real = torch.tensor([[True] * len(p) + [False] * (longest - len(p)) for p in paths], device=device)
+    g = inputs.g[rows, index] * real[..., None]
+    beta = inputs.beta[rows, index] * real[..., None]
+    _, state = chunked(inputs.query[rows, index], inputs.key[rows, index], inputs.value[rows, index], g=g, beta=beta,
+                       initial_state=inputs.initial, output_final_state=True, use_qk_l2norm_in_kernel=inputs.l2norm)
     return state
 
 

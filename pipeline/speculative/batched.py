@@ -39,14 +39,16 @@ def _pad(tree: DraftTree, size: int, filler: int) -> tuple[list[int], list[int]]
 
 
 def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_new: int, eos: set[int],
-                budget: int | None = None, top_k: int = 8) -> list[Decoded]:
-    """Block decoding (`budget=None`) or DDTree with `budget` nodes for all `prompts` at once."""
+                budget: int | None = None, top_k: int = 8, draft: list | None = None) -> list[Decoded]:
+    """Block decoding (`budget=None`) or DDTree with `budget` nodes for all `prompts` at once.
+    `draft[i](anchor, pos) -> [B-1, V] logits` overrides the drafter for prompt i (benchmarks)."""
     rows, steps = target.prefill_rows(prompts)
-    contexts = [drafting(drafter) for _ in prompts]
+    contexts = [drafting(drafter) for _ in prompts] if draft is None else [None] * len(prompts)
     results = [Decoded([]) for _ in prompts]
     bonus = []
     for context, step in zip(contexts, steps):
-        context.extend(step.hidden)
+        if context is not None:
+            context.extend(step.hidden)
         bonus.append(int(step.logits[-1].argmax()))
     active = [i for i in range(len(prompts)) if not _finish(results[i].tokens, [bonus[i]], eos, max_new)]
     if len(active) < len(prompts):
@@ -54,7 +56,7 @@ def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_ne
     while active:
         trees = []
         for i, pos in zip(active, rows.starts):
-            logits = contexts[i].logits(bonus[i], pos)
+            logits = contexts[i].logits(bonus[i], pos) if draft is None else draft[i](bonus[i], pos)
             trees.append(_chain(logits.argmax(-1).tolist()) if budget is None
                          else build_tree(torch.log_softmax(logits, dim=-1), budget, top_k))
             results[i].drafts.append(list(trees[-1].tokens))
@@ -71,7 +73,8 @@ def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_ne
             result.verify_passes += 1
             result.verify_tokens += size + 1
             result.accepted.append(len(accepted))
-            contexts[i].extend(verified.step.hidden[r, path])
+            if contexts[i] is not None:
+                contexts[i].extend(verified.step.hidden[r, path])
             if not (_finish(result.tokens, accepted, eos, max_new) or _finish(result.tokens, [choice], eos, max_new)):
                 bonus[i] = choice
                 still.append(r)
