@@ -184,6 +184,58 @@ def _show_train(summary: dict, json_out: bool) -> None:
     console.print(key_value_table("train", rows))
 
 
+@app.command()
+@_user_errors
+def generate(
+    data: Annotated[list[str], typer.Option(help="Conversations to regenerate (JSONL/Parquet, `messages` or `conversations`, or embedded:train / embedded:heldout). Repeatable.")],
+    out: Annotated[Path, typer.Option(help="Output JSONL (messages format, reasoning and tool calls as fields); work in progress lives in OUT.parts/ until every shard is done.")],
+    target: Annotated[Optional[str], typer.Option(help="Target model directory (default: the embedded tiny target). With --server: its tokenizer checks the server's.")] = None,
+    server: Annotated[Optional[str], typer.Option(help="An OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of the target in this process.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="The server's model name (default: the one it serves).")] = None,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight to the server at most.")] = 8,
+    shards: Annotated[Optional[str], typer.Option(help="Shards this invocation writes, e.g. '0-7' (default: all).")] = None,
+    num_shards: Annotated[Optional[int], typer.Option(help="Shard count (default: one per 256 rows); the unit of resumption.")] = None,
+    turns: Annotated[str, typer.Option(help="'all' assistant turns in order (later ones see the regenerated earlier ones) or only the 'last'.")] = "all",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per turn at most; a turn that does not end by then drops its row (counted).")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed; each turn draws from its own generator seeded by (seed, row, turn).")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Turns generated together (one target pass per token for all).")] = 16,
+    device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")] = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Regenerate the conversations' assistant turns with the target itself (resumable, sharded)."""
+    from pipeline.ui import ProgressBar
+    from stages.generate import run_generate
+
+    rank = int(os.environ.get("RANK", 0))
+    with ProgressBar("generate", "rows", total=0, enabled=not json_out and rank == 0) as bar:
+        result = run_generate(data=data, out=out, target=target, server=server, model=model, concurrency=concurrency,
+                              shards=shards, num_shards=num_shards, turns=turns,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              batch_size=batch_size, device=device, dtype=dtype, progress=bar.advance,
+                              on_total=bar.set_total)
+    _show_generate(result, json_out)
+
+
+def _show_generate(result: dict, json_out: bool) -> None:
+    from pipeline.ui import console, key_value_table, print_json
+
+    if json_out:
+        print_json(result)
+        return
+    console.print(key_value_table("generate", [
+        ("output", result["out"] if result["assembled"] else f"not yet: shards missing {result['shards_missing']}"),
+        ("rows read / written", f"{result['rows']} / {result['rows_written']}"),
+        ("dropped (turn did not end)", result["dropped_unfinished"]),
+        ("turns kept verbatim (unparsed)", result["kept_verbatim"]),
+        ("shards written / already done", f"{result['shards_written']} / {result['shards_already_done']}"),
+        ("rows/s, tokens/s", f"{result['rows_per_s']:.2f}, {result['tokens_per_s']:.1f}"),
+        ("device", result["device"]),
+    ]))
+
+
 @app.command("eval")
 @_user_errors
 def eval_(

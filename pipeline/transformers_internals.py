@@ -247,9 +247,10 @@ def repeat_state(state, rows: int):
 
 # ---------------------------------------------------------------- the forward, patched while verifying
 
-def tree_attention_masks(model, visible: torch.Tensor) -> dict:
-    """The forward's `attention_mask` for a tree: per layer kind, the [1, 1, N, T + N] visibility as
-    the attention implementation takes a mask (full attention), none for linear attention."""
+def attention_masks(model, visible: torch.Tensor) -> dict:
+    """The forward's `attention_mask` from a [B, 1, Q, T + Q] visibility (a tree's ancestors, rows'
+    real key/value slots): per layer kind, as the attention implementation takes a mask (full
+    attention), none for linear attention."""
     implementation = model.config._attn_implementation
     if implementation == "sdpa":
         return {"full_attention": visible, "linear_attention": None}
@@ -257,11 +258,11 @@ def tree_attention_masks(model, visible: torch.Tensor) -> dict:
         additive = torch.zeros(visible.shape, dtype=model.dtype, device=visible.device).masked_fill(
             ~visible, torch.finfo(model.dtype).min)
         return {"full_attention": additive, "linear_attention": None}
-    raise ValueError(f"tree verification needs an attention implementation that takes a mask (sdpa, eager); "
-                     f"the target runs {implementation!r}: use the batched-paths verification")
+    raise ValueError(f"tree verification and batched rows need an attention implementation that takes a mask "
+                     f"(sdpa, eager); the target runs {implementation!r}")
 
 
-def takes_tree_mask(model) -> bool:
+def takes_mask(model) -> bool:
     return model.config._attn_implementation in ("sdpa", "eager")
 
 

@@ -61,6 +61,10 @@ class ProgressBar:
         if self.enabled:
             self.progress.stop()
 
+    def set_total(self, total: int) -> None:
+        if self.enabled:
+            self.progress.update(self.task, total=total)
+
     def advance(self, n: int, tokens: int = 0) -> None:
         self.tokens += tokens
         if self.enabled:

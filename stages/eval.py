@@ -22,7 +22,7 @@ from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
-from pipeline.transformers_internals import takes_tree_mask
+from pipeline.transformers_internals import takes_mask
 
 
 def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
@@ -200,7 +200,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     tokenizer = load_tokenizer(target_dir)
     model = load_model(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
-    if (tree_budgets or batch_size > 1) and tree_verify == "tree" and not takes_tree_mask(model):
+    if (tree_budgets or batch_size > 1) and tree_verify == "tree" and not takes_mask(model):
         raise PipelineError("the target's attention implementation takes no tree mask (sdpa and eager do): "
                             "use --tree-verify paths and --batch-size 1")
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)}

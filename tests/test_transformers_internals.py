@@ -50,7 +50,7 @@ def test_the_tree_patches_and_the_per_kind_mask_reach_the_layers(target):
     plain = live.run([20, 40], LiveTarget.copy(state), len(prompt), with_hidden=False).logits
     assert torch.allclose(verified.step.logits[[0, 2]], plain, rtol=1e-4, atol=1e-4), fail(
         "causal_conv1d_fn through the module globals / attention_mask as a dict per layer kind",
-        "pipeline/transformers_internals.py (tree_rules, tree_attention_masks)",
+        "pipeline/transformers_internals.py (tree_rules, attention_masks)",
         float((verified.step.logits[[0, 2]] - plain).abs().max()))
     for layer in state.layers:
         names = ("conv_states", "recurrent_states", "conv_kernel_size", "record_past") \

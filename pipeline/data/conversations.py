@@ -38,6 +38,7 @@ class Row:
     tools: list[dict] | None = None              # function schemas the template renders into the system turn
     template_kwargs: dict | None = None          # the row's own chat_template_kwargs, over the config's
     generated_by: str | None = None              # who wrote the responses, when the row says (DESIGN 3.7)
+    row_id: str | int | None = None              # the row's own `id`, when it has one
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -149,7 +150,8 @@ def parse_row(sample_id: int, where: str, obj) -> Row:
         raise PipelineError(f"{where}: field '{field}' has no assistant turn, so nothing to learn from")
     return Row(sample_id=sample_id, where=where, messages=messages, tools=_tools(where, obj.get("tools")),
                template_kwargs=_template_kwargs(where, obj.get("chat_template_kwargs")),
-               generated_by=_generated_by(where, obj.get("generated_by")))
+               generated_by=_generated_by(where, obj.get("generated_by")),
+               row_id=obj["id"] if isinstance(obj.get("id"), (str, int)) else None)
 
 
 def _openai_message(at: str, turn: dict) -> dict:

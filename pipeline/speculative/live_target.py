@@ -123,14 +123,14 @@ class LiveTarget:
             for i in range(1, n):
                 ancestry[b, i] |= ancestry[b, p[i]]
                 depth[b, i] = depth[b, p[i]] + 1
-        committed = rows.valid if rows.valid is not None else torch.ones(count, rows.starts[0], dtype=torch.bool)
+        committed = rows.valid.cpu() if rows.valid is not None else torch.ones(count, rows.starts[0], dtype=torch.bool)
         visible = torch.cat([committed[:, None, :].expand(-1, n, -1), ancestry], dim=2)[:, None].to(self.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
         internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths
         with internals.tree_rules(parents) as inputs:
             out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True,
-                             output_hidden_states=True, attention_mask=internals.tree_attention_masks(self.model, visible))
+                             output_hidden_states=True, attention_mask=internals.attention_masks(self.model, visible))
         self.passes += 1
         self.tokens += count * n
         hidden = torch.stack([out.hidden_states[i + 1] for i in self.taps], dim=2).float()
@@ -150,12 +150,27 @@ class LiveTarget:
         return Rows(verified.step.state, valid, [s + len(p) for s, p in zip(verified.rows.starts, paths)])
 
     @torch.no_grad()
-    def prefill_rows(self, prompts: list[list[int]]) -> tuple[Rows, list[Step]]:
+    def prefill_rows(self, prompts: list[list[int]], *, with_hidden: bool = True) -> tuple[Rows, list[Step]]:
         """Each prompt prefilled on its own (no padding inside the target's pass), then their
         caches stacked into rows; the per-prompt steps carry the logits and tapped hidden states."""
-        steps = [self.run(p, None, 0) for p in prompts]
+        steps = [self.run(p, None, 0, with_hidden=with_hidden) for p in prompts]
         state, valid = internals.stack_rows([s.state for s in steps], [len(p) for p in prompts])
         return Rows(state, valid, [len(p) for p in prompts]), steps
+
+    @torch.no_grad()
+    def step_rows(self, tokens: list[int], rows: Rows) -> tuple[torch.Tensor, Rows]:
+        """One token per row (a decode step for several sequences at once): logits [B, V] and the
+        rows moved on by one."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        positions = torch.tensor(rows.starts, device=self.device)[:, None]
+        valid, mask = None, None
+        if rows.valid is not None:
+            valid = torch.cat([rows.valid, torch.ones(len(tokens), 1, dtype=torch.bool, device=rows.valid.device)], dim=1)
+            mask = internals.attention_masks(self.model, valid[:, None, None, :].to(self.device))
+        out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True, attention_mask=mask)
+        self.passes += 1
+        self.tokens += len(tokens)
+        return out.logits[:, -1].float(), Rows(out.cache, valid, [s + 1 for s in rows.starts])
 
     @staticmethod
     def keep_rows(rows: Rows, keep: list[int]) -> Rows:
