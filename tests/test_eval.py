@@ -298,30 +298,30 @@ def test_tree_and_paths_verification_decode_the_same_tokens(trained, live, promp
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
     accepted = 0
-    for p in prompts[20:26]:
+    for p in prompts[20:24]:
         reference = greedy(live, p["ids"], max_new=48, eos=EOS).tokens
         for budget in (16, 64):
             tree = tree_decode(live, drafter, p["ids"], max_new=48, eos=EOS, budget=budget)
             paths = tree_decode(live, drafter, p["ids"], max_new=48, eos=EOS, budget=budget, verify="paths")
             assert tree.tokens == paths.tokens == reference and tree.accepted == paths.accepted
             accepted += sum(tree.accepted)
-    assert accepted > 50  # the walk goes down the tree, not only the root
+    assert accepted > 30  # the walk goes down the tree, not only the root
 
 
 def test_odd_prompts_decode_losslessly(trained, tmp_path):
-    """Empty, one-character, whitespace, very long (about 2,900 tokens), emoji / CJK / RTL /
+    """Empty, one-character, whitespace, very long (about 1,250 tokens), emoji / CJK / RTL /
     combining marks, special-token look-alikes, control characters, tool-call history: block and
     DDTree 16 / 64 equal greedy on every one."""
     from pipeline.speculative.odd_prompts import odd_conversations
 
-    rows = odd_conversations()
+    rows = odd_conversations(long_words=300)   # ~1,250 tokens here (the benchmark's set: ~2,900)
     path = tmp_path / "odd.jsonl"
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    result = run_eval(trained, target=None, prompts=path, max_new_tokens=32, block_size=None, tree_budgets=[16, 64],
+    result = run_eval(trained, target=None, prompts=path, max_new_tokens=20, block_size=None, tree_budgets=[16, 64],
                       tree_top_k=8, limit=None)
     assert result["prompts"] == len(rows) >= 12
     assert result["lossless"], (result["block"]["mismatched_prompts"], {b: t["mismatched_prompts"] for b, t in result["tree"].items()})
-    assert result["greedy"]["tokens"] > 5 * len(rows)  # most prompts decode more than a token or two
+    assert result["greedy"]["tokens"] > 4 * len(rows)  # most prompts decode more than a token or two
     assert result["tree"]["64"]["target_tokens_per_verify"] == 65.0  # every node once, the root included
 
 
@@ -336,15 +336,15 @@ def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, em
 
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
-    batch = [p["ids"] for p in prompts[30:37]] + [prompts[0]["ids"] * 3]   # lengths differ; one long
-    assert len({len(ids) for ids in batch}) > 4
+    batch = [p["ids"] for p in prompts[30:35]] + [prompts[0]["ids"] * 3]   # lengths differ; one long
+    assert len({len(ids) for ids in batch}) > 3
     for budget in (None, 16, 64):
-        single = [block_decode(live, drafter, ids, max_new=40, eos=EOS) if budget is None
-                  else tree_decode(live, drafter, ids, max_new=40, eos=EOS, budget=budget) for ids in batch]
+        single = [block_decode(live, drafter, ids, max_new=32, eos=EOS) if budget is None
+                  else tree_decode(live, drafter, ids, max_new=32, eos=EOS, budget=budget) for ids in batch]
         before = live.passes
-        rows = decode_rows(live, drafter, batch, max_new=40, eos=EOS, budget=budget)
+        rows = decode_rows(live, drafter, batch, max_new=32, eos=EOS, budget=budget)
         assert live.passes - before == len(batch) + max(r.verify_passes for r in rows)  # prefills + shared steps
         assert len({r.verify_passes for r in rows}) > 1                                  # prompts finished apart
         for one, many in zip(single, rows):
             assert many.drafts == one.drafts and many.accepted == one.accepted and many.tokens == one.tokens
-            assert many.tokens == greedy(live, batch[rows.index(many)], max_new=40, eos=EOS).tokens
+            assert many.tokens == greedy(live, batch[rows.index(many)], max_new=32, eos=EOS).tokens
