@@ -3,6 +3,7 @@ OpenAI-compatible server on 127.0.0.1; sharded, resumable after kill -9, one-lin
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -172,6 +173,15 @@ def test_a_real_server_gives_what_the_target_gives_in_process(tmp_path, serving,
         assert json.loads(out.read_text().splitlines()[0])["generated_by"]["backend"] == "server"
         with pytest.raises(PipelineError, match="does not serve 'gpt-4'"):
             run_generate(data=[str(data)], out=tmp_path / "wrong.jsonl", server=f"http://127.0.0.1:{port}", model="gpt-4")
+        # A target whose chat template differs from what the server renders: refused at the first answer.
+        other = tmp_path / "other-target"
+        shutil.copytree(serving, other)
+        template = other / "chat_template.jinja"
+        template.write_text("{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}" + template.read_text())
+        with pytest.raises(PipelineError, match=r"the server counts \d+ prompt tokens where the target's tokenizer and "
+                                                r"chat template give \d+"):
+            run_generate(data=[str(data)], out=tmp_path / "mismatch.jsonl", server=f"http://127.0.0.1:{port}",
+                         target=str(other), max_new_tokens=8)
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
