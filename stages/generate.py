@@ -73,7 +73,7 @@ class InProcess:
                      if isinstance(i, int)}
         self.max_new, self.temperature, self.top_p, self.batch_size = max_new_tokens, temperature, top_p, batch_size
         self.device = f"{device_} ({str(dtype_).removeprefix('torch.')})"
-        self.identity = {"backend": "in-process", "target": str(target_dir),
+        self.identity = {"backend": "in-process", "target": _target_name(target_dir),
                          "target_config_sha256": read_target_facts(target_dir).config_sha256}
         self._supplied: dict[str, str] = {}
 
@@ -101,6 +101,15 @@ class InProcess:
                 parsed = parse_assistant(self.tokenizer.decode(g.tokens), self.supplied(turn.template_kwargs))
                 out.append(Written(parsed.message, len(g.tokens), parsed.problem))
         return out
+
+
+def _target_name(target_dir: Path) -> str:
+    """How generated_by names the target: `embedded`, or the directory as given. The config digest
+    beside it is the identity; the name must not depend on where the tool is installed (the
+    output and the resume plan would differ between installs)."""
+    from pipeline.embedded import TARGET_DIR
+
+    return "embedded" if Path(target_dir).resolve() == Path(TARGET_DIR).resolve() else str(target_dir)
 
 
 def turn_seed(seed: int, sample_id: int, turn: int) -> int:

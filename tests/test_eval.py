@@ -41,12 +41,13 @@ def prompts(tokenizer, embedded):
 
 @pytest.fixture(scope="module")
 def full_eval(trained, embedded, tmp_path_factory):
-    """One eval over all 200 held-out prompts (greedy, block, DDTree 16), plus the teacher-forced
-    metrics on a cache of the same conversations."""
+    """One eval over all 200 held-out prompts (greedy, block, DDTree 16; 8 prompts per verify pass:
+    the single-prompt decoders are checked against these step by step, and on the odd prompts),
+    plus the teacher-forced metrics on a cache of the same conversations."""
     heldout = tmp_path_factory.mktemp("heldout") / "cache"
     run_extract(ExtractConfig(cache=str(heldout), data=[str(embedded.HELDOUT_DATA)], num_shards=2), None, progress=False)
     return run_eval(trained, target=None, prompts=None, max_new_tokens=96, block_size=None, tree_budgets=[16],
-                    tree_top_k=8, limit=None, cache=heldout)
+                    tree_top_k=8, limit=None, cache=heldout, batch_size=8)
 
 
 def test_block_and_tree_decoding_equal_greedy_on_every_heldout_prompt(full_eval):
