@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.drafter.export import load_drafter
+from pipeline.devices import resolve_device
 from pipeline.errors import PipelineError
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, greedy, tree_decode
@@ -142,28 +143,6 @@ def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
         steps += 1
         a += streak[a] + 1
     return tokens, steps
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise PipelineError(f"--device: not a device: {device!r} (auto, cpu, cuda, cuda:N)") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise PipelineError(f"--device: {device!r} is not supported (auto, cpu, cuda, cuda:N)")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise PipelineError(f"--device {device}: no CUDA device is available here")
-    if dtype == "auto":
-        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
-    return resolved, DTYPES[dtype]
 
 
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,

@@ -24,7 +24,7 @@ from pipeline.cache.schema import SCHEMA_VERSION, Chunking, shard_lock_name, sha
 from pipeline.cache.writer import BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
-from pipeline.data.conversations import index_rows, iter_rows
+from pipeline.data.conversations import index_rows, iter_rows, resolve_data
 from pipeline.data.loss_mask import REASONING, TOOL_CALL, ConversationMasker, GenerationPrompt
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import Layout, init_layout
@@ -48,17 +48,6 @@ from pipeline.target import (
     resolve_target,
 )
 from pipeline.ui import ProgressBar
-
-
-def resolve_data(data: list[str]) -> list[Path]:
-    from pipeline.embedded import HELDOUT_DATA, TRAIN_DATA
-    named = {"embedded:train": TRAIN_DATA, "embedded:heldout": HELDOUT_DATA}
-    out = []
-    for d in data:
-        if d.startswith("embedded:") and d not in named:
-            raise PipelineError(f"data: unknown embedded dataset {d!r}; use one of {sorted(named)}")
-        out.append(named.get(d, Path(d)))
-    return out
 
 
 def default_layers(target: str, num_layers: int) -> list[int]:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.data.conversations import index_rows, iter_rows
+from pipeline.data.conversations import index_rows, iter_rows, resolve_data
 from pipeline.data.loss_mask import generation_prompt, render
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.errors import PipelineError
@@ -62,7 +62,7 @@ class InProcess:
 
         from pipeline.speculative.live_target import LiveTarget
         from pipeline.target import load_model, load_tokenizer, read_target_facts
-        from stages.eval import resolve_device
+        from pipeline.devices import resolve_device
 
         device_, dtype_ = resolve_device(device, dtype)
         if device_.type == "cuda" and device_.index is None:   # under torchrun: this rank's GPU
@@ -162,7 +162,6 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 16,
                  device: str = "auto", dtype: str = "auto", progress=None, on_total=None) -> dict:
     from pipeline.target import resolve_target
-    from stages.extract import resolve_data
 
     if turns not in TURNS:
         raise PipelineError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")

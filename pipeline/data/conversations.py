@@ -335,3 +335,15 @@ def iter_rows(paths: list[Path], *, on_error: str = "fail", wanted: range | set[
                     raise
                 yield e
         base += count if count is not None else seen
+
+
+def resolve_data(data: list[str]) -> list[Path]:
+    """Dataset options -> files: a path, or `embedded:train` / `embedded:heldout`."""
+    from pipeline.embedded import HELDOUT_DATA, TRAIN_DATA
+    named = {"embedded:train": TRAIN_DATA, "embedded:heldout": HELDOUT_DATA}
+    out = []
+    for d in data:
+        if d.startswith("embedded:") and d not in named:
+            raise PipelineError(f"data: unknown embedded dataset {d!r}; use one of {sorted(named)}")
+        out.append(named.get(d, Path(d)))
+    return out

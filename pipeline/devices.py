@@ -1,0 +1,28 @@
+"""Where a command runs the target and the drafter: `--device` / `--dtype` as eval and generate take them."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.errors import PipelineError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise PipelineError(f"--device: not a device: {device!r} (auto, cpu, cuda, cuda:N)") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise PipelineError(f"--device: {device!r} is not supported (auto, cpu, cuda, cuda:N)")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(f"--device {device}: no CUDA device is available here")
+    if dtype == "auto":
+        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
+    return resolved, DTYPES[dtype]
