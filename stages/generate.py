@@ -22,7 +22,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.data.conversations import index_rows, iter_rows, resolve_data
@@ -31,26 +30,11 @@ from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.errors import PipelineError
 from pipeline.generate.assistant import parse_assistant
 from pipeline.generate.parts import Parts
+from pipeline.generate.turns import Turn, Written
 from pipeline.provenance import sha256_file
 
 TURNS = ("all", "last")
 ROWS_PER_SHARD = 256   # the default shard count is ceil(rows / 256): the unit of resumption
-
-
-@dataclass
-class Turn:
-    """One assistant turn to write: the conversation before it."""
-    messages: list[dict]
-    tools: list[dict] | None
-    template_kwargs: dict | None
-    seed: int
-
-
-@dataclass
-class Written:
-    message: dict | None      # None: it did not end within max_new_tokens
-    tokens: int               # tokens generated
-    problem: str | None = None
 
 
 class InProcess:

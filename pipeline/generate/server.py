@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.errors import PipelineError
 from pipeline.generate.assistant import parse_assistant
+from pipeline.generate.turns import Written
 
 RETRIES, BACKOFF_S, TIMEOUT_S = 4, 0.5, 600
 TRANSIENT = {408, 429, 500, 502, 503, 504}
@@ -94,8 +95,6 @@ class Server:
         raise AssertionError("unreachable")
 
     def write(self, turns, wheres: list[str]):
-        from stages.generate import Written
-
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             futures = [pool.submit(self._request, t, w) for t, w in zip(turns, wheres)]
             try:
@@ -121,8 +120,6 @@ class Server:
         return out
 
     def _message(self, message: dict, tokens: int):
-        from stages.generate import Written
-
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         calls = message.get("tool_calls")
         content = message.get("content") or ""
