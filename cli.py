@@ -147,6 +147,7 @@ def train(
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Steps between training checkpoints.")] = None,
     allow_mixed_provenance: Annotated[Optional[bool], typer.Option("--allow-mixed-provenance", help="Train on shards computed by different linear-attention kernels (warns).")] = None,
     allow_incomplete_cache: Annotated[Optional[bool], typer.Option("--allow-incomplete-cache", help="Train on a cache whose shards are not all committed (warns; recorded in run.json).")] = None,
+    mask_token: Annotated[Optional[str], typer.Option(help="The drafter's mask token: an integer id or a token of the target's tokenizer, reserved and never in the data (default: the preset's; '<|MASK|>' for the embedded target, 248070 for Qwen3.6).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
@@ -162,7 +163,8 @@ def train(
                  "micro_batch_sequences": micro_batch_sequences, "num_anchors": num_anchors, "block_size": block_size,
                  "num_hidden_layers": num_hidden_layers, "loss": loss, "noise_std": noise_std, "dtype": dtype,
                  "attention": attention, "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
-                 "allow_mixed_provenance": allow_mixed_provenance, "allow_incomplete_cache": allow_incomplete_cache}
+                 "allow_mixed_provenance": allow_mixed_provenance, "allow_incomplete_cache": allow_incomplete_cache,
+                 "mask_token": int(mask_token) if mask_token is not None and mask_token.strip().isdigit() else mask_token}
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     summary = run_train(cfg, preset_target=preset_target, resume=resume, view=TrainView(rank0 and not json_out),
@@ -203,10 +205,11 @@ def generate(
     batch_size: Annotated[int, typer.Option(help="Turns generated together (one target pass per token for all).")] = 16,
     device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
     dtype: Annotated[str, typer.Option(help="'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")] = "auto",
+    on_error: Annotated[str, typer.Option(help="'fail' (default: stop at the first row that cannot be parsed or rendered, naming its file:line and turn) or 'skip' such rows (each one warning line, counted).")] = "fail",
     json_out: JsonOpt = False,
 ) -> None:
     """Regenerate the conversations' assistant turns with the target itself (resumable, sharded)."""
-    from pipeline.ui import ProgressBar
+    from pipeline.ui import ProgressBar, warning
     from stages.generate import run_generate
 
     rank = int(os.environ.get("RANK", 0))
@@ -214,8 +217,8 @@ def generate(
         result = run_generate(data=data, out=out, target=target, server=server, model=model, concurrency=concurrency,
                               shards=shards, num_shards=num_shards, turns=turns,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              batch_size=batch_size, device=device, dtype=dtype, progress=bar.advance,
-                              on_total=bar.set_total)
+                              batch_size=batch_size, device=device, dtype=dtype, on_error=on_error,
+                              progress=bar.advance, on_total=bar.set_total, warn=warning)
     _show_generate(result, json_out)
 
 
@@ -228,6 +231,7 @@ def _show_generate(result: dict, json_out: bool) -> None:
     console.print(key_value_table("generate", [
         ("output", result["out"] if result["assembled"] else f"not yet: shards missing {result['shards_missing']}"),
         ("rows read / written", f"{result['rows']} / {result['rows_written']}"),
+        ("rows skipped (--on-error skip)", result["rows_skipped"]),
         ("dropped (turn did not end)", result["dropped_unfinished"]),
         ("turns kept verbatim (unparsed)", result["kept_verbatim"]),
         ("shards written / already done", f"{result['shards_written']} / {result['shards_already_done']}"),
@@ -396,25 +400,24 @@ def verify_cache(
     device: Annotated[str, typer.Option(help="Where the model checks run: auto (a GPU when present), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Model dtype for the checks: auto (bfloat16 on a GPU, float32 on CPU), float32 or bfloat16.")] = "auto",
     sample_rate: Annotated[float, typer.Option(help="Fraction of chunks whose checksums are verified.")] = 1.0,
-    show: Annotated[Optional[int], typer.Option(help="Print this sample decoded, supervised reasoning, content, tool-call and end-of-turn tokens coloured apart.")] = None,
+    show: Annotated[Optional[int], typer.Option(help="Print this sample decoded, supervised reasoning, content, tool-call and end-of-turn tokens coloured apart on a terminal, tagged [[R ...]] [[C ...]] [[T ...]] [[E ...]] when piped; with --json its tokens, labels, loss mask and kinds are in the document.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the sampled chunks and samples.")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Prove a cache is complete, intact, aligned and correctly masked. Exit 0: all checks pass;
     1: a check failed; 2: usage error."""
-    from pipeline.ui import console, error, print_json
+    from pipeline.ui import error, print_json, print_sample
     from stages.verify import run_verify, show_sample
 
     try:
-        if show is not None:
-            header, text, legend = show_sample(cache, show, target)
-            if not json_out:
-                console.print(header, markup=False)
-                console.print(legend)
-                console.print(text)
+        shown = show_sample(cache, show, target) if show is not None else None
+        if shown is not None and not json_out:
+            print_sample(shown)
         result = run_verify(cache, shards=shards, target=target, recompute=recompute, tail_rate=tail_rate,
                             sample_rate=sample_rate, seed=seed, device=device, dtype=dtype,
                             progress=not json_out)
+        if shown is not None:
+            result["sample"] = shown
     except PipelineError as e:
         if _state["debug"]:
             raise
@@ -437,14 +440,16 @@ def _show_checks(result: dict) -> None:
     table.add_column("check", style="bold")
     table.add_column("status")
     table.add_column("evidence")
-    colours = {"pass": "green", "fail": "bold red", "skipped": "yellow"}
+    colours = {"pass": "green", "fail": "bold red", "skipped": "yellow", "inconclusive": "yellow"}
     for check in result["checks"]:
         table.add_row(check["check"], f"[{colours[check['status']]}]{check['status']}[/]", escape(check["summary"]))
         for problem in (check["evidence"].get("problems") or check["evidence"].get("failures")
                         or check["evidence"].get("mismatched") or [])[:5]:
             table.add_row("", "", f"[red]{escape(problem)}[/]")
     console.print(table)
-    console.print("[bold green]all checks passed[/]" if result["passed"] else "[bold red]verification FAILED[/]")
+    unsure = [c["check"] for c in result["checks"] if c["status"] == "inconclusive"]
+    note = f" [yellow](inconclusive: {', '.join(unsure)})[/]" if unsure else ""
+    console.print(("[bold green]all checks passed[/]" if result["passed"] else "[bold red]verification FAILED[/]") + note)
 
 
 @app.command()

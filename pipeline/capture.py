@@ -3,7 +3,7 @@
 Taps come from forward hooks on the tapped decoder layers (the output of layer i, which is what
 `hidden_states[i + 1]` would be), so the model is not asked to materialise every layer's
 states. The target's own prediction comes from its real output logits (final norm + lm_head),
-computed in token chunks so a 248k vocabulary never needs a [batch, seq, vocab] tensor.
+computed in token chunks (`LogitChunks`) so a 248k vocabulary never needs a [batch, seq, vocab] tensor.
 
 Batches are right-padded: the target is causal in every layer (attention, Gated DeltaNet,
 its short convolution), so real positions never see the padding; padding is dropped before
@@ -16,13 +16,14 @@ import torch
 
 
 class Capture:
-    def __init__(self, model, target_layer_ids: list[int], *, top_k: int, logits_chunk: int = 2048, pad_id: int = 0):
+    def __init__(self, model, target_layer_ids: list[int], *, top_k: int, logits_chunk: int = 256, pad_id: int = 0):
         self.model = model
         self.taps = list(target_layer_ids)
         self.top_k = top_k
         self.logits_chunk = logits_chunk
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
+        self.logit_chunks = LogitChunks(model.lm_head, logits_chunk)
 
     @torch.no_grad()
     def __call__(self, batch: list[list[int]]) -> list[dict[str, torch.Tensor]]:
@@ -57,12 +58,11 @@ class Capture:
 
     def _prediction_stats(self, last_TH: torch.Tensor) -> dict[str, torch.Tensor]:
         ids, logits, lse = [], [], []
-        for a in range(0, last_TH.shape[0], self.logits_chunk):
-            chunk = self.model.lm_head(last_TH[a:a + self.logits_chunk]).float()
+        for _, chunk in self.logit_chunks(last_TH):
             top = torch.topk(chunk, self.top_k, dim=-1, sorted=True)
+            lse.append(logsumexp_(chunk, top.values[:, 0]))
             ids.append(top.indices)
             logits.append(top.values)
-            lse.append(torch.logsumexp(chunk, dim=-1))
         topk_ids = torch.cat(ids)
         return {
             "target_argmax": topk_ids[:, 0],
@@ -70,6 +70,36 @@ class Capture:
             "target_topk_logits": torch.cat(logits),
             "target_logsumexp": torch.cat(lse),
         }
+
+
+class LogitChunks:
+    """The lm_head's float32 logits over hidden states [T, H], `rows` tokens at a time, so a 248k
+    vocabulary never needs a [T, vocab] tensor. On the CPU in float32 each chunk is written into one
+    reused buffer: a fresh tensor per chunk costs a page fault per 4 KiB (measured: the top-k and
+    logsumexp of a 248k vocabulary took twice as long). A chunk is overwritten by the next one, so
+    the caller may spend it in place (`logsumexp_`)."""
+
+    def __init__(self, lm_head, rows: int = 256):
+        self.lm_head, self.rows = lm_head, rows
+        self._buffer: torch.Tensor | None = None
+
+    def __call__(self, last_TH: torch.Tensor):
+        weight = self.lm_head.weight
+        reuse = last_TH.device.type == "cpu" and weight.dtype == torch.float32 and self.lm_head.bias is None
+        if reuse and self._buffer is None:
+            self._buffer = torch.empty(self.rows, weight.shape[0])
+        for a in range(0, last_TH.shape[0], self.rows):
+            hidden = last_TH[a:a + self.rows]
+            if reuse:
+                yield a, torch.matmul(hidden.float(), weight.T, out=self._buffer[:hidden.shape[0]])
+            else:
+                yield a, self.lm_head(hidden).float()
+
+
+def logsumexp_(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, given each row's max, computed in place (`logits` is spent):
+    no second vocabulary-sized tensor."""
+    return logits.sub_(row_max[:, None]).exp_().sum(-1).log_().add_(row_max)
 
 
 class _PassThrough(torch.nn.Module):

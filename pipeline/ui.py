@@ -29,6 +29,51 @@ def key_value_table(title: str, rows: list[tuple[str, object]]) -> Table:
     return table
 
 
+# verify-cache --show: a style per supervised-token kind on a terminal, a bracket tag per kind elsewhere.
+SPAN_STYLES = {"reasoning": "bold black on yellow", "content": "bold black on green", "tool_call": "bold white on blue",
+               "end_of_turn": "bold white on magenta", "": "dim"}
+SPAN_TAGS = {"reasoning": "R", "content": "C", "tool_call": "T", "end_of_turn": "E"}
+
+
+def print_sample(shown: dict, *, colour: bool | None = None) -> None:
+    """A sample from `show_sample`: supervised tokens coloured by kind on a terminal; piped or
+    redirected (no colour), each run of supervised tokens of one kind is wrapped as [[R ...]],
+    [[C ...]], [[T ...]] or [[E ...]] (reasoning, content, tool call, end of turn), so the mask
+    survives in a log."""
+    from rich.markup import escape
+    from rich.text import Text
+
+    colour = console.is_terminal and not console.no_color if colour is None else colour
+    kinds = ("reasoning", "content", "tool_call", "end_of_turn")
+    console.print(shown["summary"], markup=False, highlight=False)
+    if colour:
+        console.print("  ".join(f"[{SPAN_STYLES[k]}] {k.replace('_', ' ')} [/]" for k in kinds))
+        text = Text()
+        for piece, kind in zip(shown["pieces"], shown["kinds"]):
+            text.append(piece, style=SPAN_STYLES[kind])
+        console.print(text)
+        return
+    console.print("supervised runs: " + "  ".join(f"[[{SPAN_TAGS[k]} {k.replace('_', ' ')}]]" for k in kinds)
+                  + "; text outside [[ ]] is not supervised", markup=False, highlight=False)
+    console.print(escape(tagged_text(shown["pieces"], shown["kinds"])), highlight=False, soft_wrap=True)
+
+
+def tagged_text(pieces: list[str], kinds: list[str]) -> str:
+    """The decoded sample with each run of supervised tokens of one kind wrapped in [[TAG ...]]."""
+    out, current = [], ""
+    for piece, kind in zip(pieces, kinds):
+        if kind != current:
+            if current:
+                out.append("]]")
+            if kind:
+                out.append(f"[[{SPAN_TAGS[kind]} ")
+            current = kind
+        out.append(piece)
+    if current:
+        out.append("]]")
+    return "".join(out)
+
+
 def warning(message: str) -> None:
     from rich.markup import escape
     err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
@@ -57,8 +102,10 @@ class ProgressBar:
             self.progress.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self.enabled:
+            if exc_type is not None:   # an error's one line stands alone: no final bar printed before it
+                self.progress.live.transient = True
             self.progress.stop()
 
     def set_total(self, total: int) -> None:

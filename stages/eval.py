@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.data.conversations import iter_rows
+from pipeline.data.loss_mask import render, template_message
 from pipeline.drafter.export import load_drafter
 from pipeline.devices import resolve_device
 from pipeline.errors import PipelineError
@@ -47,25 +49,25 @@ def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
 
 def read_prompts(path: Path, tokenizer, limit: int | None) -> list[dict]:
     """Conversations -> prompts: everything before the last assistant turn, rendered with the
-    chat template's generation prompt. One-line errors name the file and line."""
+    chat template's generation prompt and the row's tools and chat_template_kwargs. Rows are read
+    by extract's parser (`messages` or ShareGPT `conversations`, JSONL or Parquet, tool-call
+    arguments as objects), so any row extract accepts is a prompt here; one-line errors name the
+    file and line."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                messages = row["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise PipelineError(f"{path}:{line_no}: not a conversation with `messages` ({type(e).__name__})") from None
-            if messages and messages[-1].get("role") == "assistant":
-                messages = messages[:-1]
-            if not messages:
-                raise PipelineError(f"{path}:{line_no}: nothing before the assistant turn to use as a prompt")
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            prompts.append({"id": row.get("id", line_no), "ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
-            if limit and len(prompts) >= limit:
-                break
+    for row in iter_rows([Path(path)], need_answer=False):
+        if row.messages is None:
+            raise PipelineError(f"{row.where}: a pre-tokenized row (input_ids) has no conversation to prompt with")
+        messages = row.messages[:-1] if row.messages and row.messages[-1]["role"] == "assistant" else row.messages
+        if not messages:
+            raise PipelineError(f"{row.where}: nothing before the assistant turn to use as a prompt")
+        try:
+            text = render(tokenizer, messages, generation_prompt=True, tools=row.tools, template_kwargs=row.template_kwargs)
+        except Exception as e:  # noqa: BLE001 - templates raise many types
+            raise PipelineError(f"{row.where}: the chat template cannot render this prompt ({template_message(e)})") from None
+        prompts.append({"id": row.row_id if row.row_id is not None else row.where,
+                        "ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+        if limit and len(prompts) >= limit:
+            break
     if not prompts:
         raise PipelineError(f"{path}: no prompts")
     return prompts

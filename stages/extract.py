@@ -74,11 +74,7 @@ def scan_dataset(paths: list[Path], on_error: str, masker: ConversationMasker) -
     work and before the manifest is written: every conversation is rendered with the chat
     template, ~0.03-0.3 ms a row), where each row starts (so each shard reads only its rows) and
     file digests, so the shard plan and the manifest's data identity are known up front."""
-    def check(row):
-        if row.messages is not None:
-            masker.render(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
-
-    index, malformed = index_rows(paths, on_error, check)
+    index, malformed = index_rows(paths, on_error, masker.validate)
     num_rows = sum(index.counts)
     if num_rows == 0:
         raise PipelineError(f"{', '.join(map(str, paths))}: the dataset has no rows")

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from pipeline.data.conversations import index_rows, iter_rows, resolve_data
-from pipeline.data.loss_mask import generation_prompt, render
+from pipeline.config import ExtractConfig
+from pipeline.data.loss_mask import ConversationMasker, generation_prompt, render, template_message
 from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.errors import PipelineError
 from pipeline.generate.assistant import parse_assistant
@@ -40,18 +41,18 @@ ROWS_PER_SHARD = 256   # the default shard count is ceil(rows / 256): the unit o
 class InProcess:
     """The target's transformers model in this process (pipeline/generate/sampling.py)."""
 
-    def __init__(self, target_dir: Path, *, device: str, dtype: str, max_new_tokens: int, temperature: float,
+    def __init__(self, target_dir: Path, tokenizer, *, device: str, dtype: str, max_new_tokens: int, temperature: float,
                  top_p: float, batch_size: int):
         import torch
 
         from pipeline.speculative.live_target import LiveTarget
-        from pipeline.target import load_model, load_tokenizer, read_target_facts
+        from pipeline.target import load_model, read_target_facts
         from pipeline.devices import resolve_device
 
         device_, dtype_ = resolve_device(device, dtype)
         if device_.type == "cuda" and device_.index is None:   # under torchrun: this rank's GPU
             device_ = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        self.tokenizer = load_tokenizer(target_dir)
+        self.tokenizer = tokenizer
         self.target = LiveTarget(load_model(target_dir, dtype=dtype_).to(device_), [])
         self.stop = {i for i in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id)
                      if isinstance(i, int)}
@@ -73,9 +74,8 @@ class InProcess:
         out: list[Written] = []
         for first in range(0, len(turns), self.batch_size):
             chunk = turns[first:first + self.batch_size]
-            prompts = [self.tokenizer(render(self.tokenizer, t.messages, generation_prompt=True, tools=t.tools,
-                                             template_kwargs=t.template_kwargs), add_special_tokens=False)["input_ids"]
-                       for t in chunk]
+            prompts = [self.tokenizer(self._prompt(t, where), add_special_tokens=False)["input_ids"]
+                       for t, where in zip(chunk, wheres[first:first + self.batch_size])]
             generated = generate(self.target, prompts, max_new=self.max_new, stop=self.stop,
                                  temperature=self.temperature, top_p=self.top_p, seeds=[t.seed for t in chunk])
             for turn, g in zip(chunk, generated):
@@ -85,6 +85,17 @@ class InProcess:
                 parsed = parse_assistant(self.tokenizer.decode(g.tokens), self.supplied(turn.template_kwargs))
                 out.append(Written(parsed.message, len(g.tokens), parsed.problem))
         return out
+
+
+    def _prompt(self, turn: Turn, where: str) -> str:
+        """The turn's prompt text. The validating pass rendered every prompt of the data; a turn
+        after regenerated ones can still differ (other tool calls), so a refusal here is one line too."""
+        try:
+            return render(self.tokenizer, turn.messages, generation_prompt=True, tools=turn.tools,
+                          template_kwargs=turn.template_kwargs)
+        except Exception as e:  # noqa: BLE001 - templates raise many types
+            raise PipelineError(f"{where}: the chat template cannot render the prompt for this turn "
+                                f"({template_message(e)})") from None
 
 
 def _target_name(target_dir: Path) -> str:
@@ -140,12 +151,26 @@ def regenerate_rows(rows, backend, *, turns: str, seed: int, generated_by: dict)
     return out, {**counts, "verbatim_reasons": problems}
 
 
+def _row_check(tokenizer, turns: str):
+    """What a row must pass before generation: a conversation (not pre-tokenized) and, with the
+    target's tokenizer, extract's own check plus a renderable prompt for every turn to write."""
+    masker = ConversationMasker(tokenizer, ExtractConfig.end_of_turn, reasoning="keep") if tokenizer is not None else None
+
+    def check(row) -> None:
+        if row.messages is None:
+            raise PipelineError(f"{row.where}: a pre-tokenized row (input_ids) has no conversation to regenerate")
+        if masker is not None:
+            masker.validate(row, prompts=turns)
+    return check
+
+
 def run_generate(*, data: list[str], out: Path, target: str | None = None, server: str | None = None,
                  model: str | None = None, concurrency: int = 8, shards: str | None = None,
                  num_shards: int | None = None, turns: str = "all", max_new_tokens: int = 512,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 16,
-                 device: str = "auto", dtype: str = "auto", progress=None, on_total=None) -> dict:
-    from pipeline.target import resolve_target
+                 device: str = "auto", dtype: str = "auto", on_error: str = "fail", progress=None, on_total=None,
+                 warn=None) -> dict:
+    from pipeline.target import load_tokenizer, resolve_target
 
     if turns not in TURNS:
         raise PipelineError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
@@ -156,11 +181,21 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
                         (concurrency >= 1, f"--concurrency must be >= 1, got {concurrency}"),
                         (server is None or server.startswith(("http://", "https://")),
                          f"--server must be an http(s) URL, got {server!r}"),
-                        (num_shards is None or num_shards >= 1, f"--num-shards must be >= 1, got {num_shards}")):
+                        (num_shards is None or num_shards >= 1, f"--num-shards must be >= 1, got {num_shards}"),
+                        (on_error in ("fail", "skip"), f"--on-error must be 'fail' or 'skip', got {on_error!r}")):
         if not ok:
             raise PipelineError(message)
     paths = resolve_data(data)
-    index, _ = index_rows(paths)     # fails on the first malformed row, naming its file and line
+    target_dir = resolve_target(target or "embedded") if server is None or target else None
+    tokenizer = load_tokenizer(target_dir) if target_dir is not None else None
+    skipped: list[tuple[int, str]] = []
+    # Extract's validating pass (pipeline/data/loss_mask.py ConversationMasker.validate), plus each
+    # turn's prompt; with on_error='fail' the first bad row stops here, before any generation.
+    index, _ = index_rows(paths, on_error, _row_check(tokenizer, turns), skipped)
+    if warn and int(os.environ.get("RANK", 0)) == 0:
+        for _, message in skipped:
+            warn(f"skipped {message}")
+    skip_ids = {sid for sid, _ in skipped}
     num_rows = sum(index.counts)
     if num_rows == 0:
         raise PipelineError(f"{', '.join(map(str, paths))}: the dataset has no rows")
@@ -168,13 +203,11 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
     sampling = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed, "turns": turns}
     if server is not None:
         from pipeline.generate.server import Server
-        from pipeline.target import load_tokenizer
 
-        tokenizer = load_tokenizer(resolve_target(target)) if target else None
         backend = Server(server, model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          concurrency=concurrency, tokenizer=tokenizer)
     else:
-        backend = InProcess(resolve_target(target or "embedded"), device=device, dtype=dtype,
+        backend = InProcess(target_dir, tokenizer, device=device, dtype=dtype,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
     generated_by = {**backend.identity, "sampling": sampling}
     parts = Parts(out)
@@ -187,16 +220,16 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
     todo = [s for s in mine if parts.done(s) is None]
     if on_total:
         on_total(sum(len(shard_rows(s, num_rows, num_shards)) for s in todo))
-    totals = {"rows": 0, "rows_written": 0, "turns_written": 0, "dropped_unfinished": 0, "kept_verbatim": 0, "tokens": 0}
+    totals = {"rows": 0, "rows_written": 0, "rows_skipped": 0, "turns_written": 0, "dropped_unfinished": 0,
+              "kept_verbatim": 0, "tokens": 0}
     started = time.perf_counter()
     for shard in todo:
-        rows = []
-        for row in iter_rows(paths, wanted=shard_rows(shard, num_rows, num_shards), index=index):
-            if row.messages is None:
-                raise PipelineError(f"{row.where}: a pre-tokenized row (input_ids) has no conversation to regenerate")
-            rows.append(row)
+        wanted = shard_rows(shard, num_rows, num_shards)
+        rows = [row for row in iter_rows(paths, wanted=wanted, index=index, on_error=on_error)
+                if not isinstance(row, PipelineError) and row.sample_id not in skip_ids]
         t0 = time.perf_counter()
         written, counts = regenerate_rows(rows, backend, turns=turns, seed=seed, generated_by=generated_by)
+        counts["rows_skipped"] = len(wanted) - len(rows)
         record = parts.write(shard, written, {**counts, "seconds": time.perf_counter() - t0})
         for key in totals:
             totals[key] += record.get(key, 0)
@@ -208,6 +241,7 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
     return {"out": str(out), "assembled": assembled, "num_rows": num_rows, "num_shards": num_shards,
             "shards_written": len(todo), "shards_already_done": len(mine) - len(todo), "shards_missing": missing[:20],
             "rank": rank, "world_size": world, "device": backend.device, "generated_by": generated_by, **totals,
+            "skipped": [message for _, message in skipped[:20]],
             "server_retries": getattr(backend, "failures", 0),
             "seconds": seconds, "rows_per_s": totals["rows"] / max(seconds, 1e-9),
             "tokens_per_s": totals["tokens"] / max(seconds, 1e-9)}

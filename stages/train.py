@@ -138,8 +138,8 @@ def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -
     tokenizer = load_tokenizer(target_dir)
     if isinstance(mask_token, str):
         if mask_token not in tokenizer.get_vocab():
-            raise PipelineError(f"{target_dir}: the tokenizer has no mask token {mask_token!r} (set mask_token to a "
-                                "token or an integer id)")
+            raise PipelineError(f"{target_dir}: the tokenizer has no mask token {mask_token!r}: pass --mask-token ID|TOKEN "
+                                f"(or mask_token in the [train] table of --config){suggest_mask_token(tokenizer, facts)}")
         mask_id = int(tokenizer.convert_tokens_to_ids(mask_token))
     else:
         mask_id = int(mask_token)
@@ -150,6 +150,31 @@ def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -
         raise PipelineError(f"mask token id {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}) is an ordinary token "
                             f"of the tokenizer: use a reserved special token or an unused row past its {len(tokenizer)} tokens")
     return mask_id
+
+
+def suggest_mask_token(tokenizer, facts: TargetFacts) -> str:
+    """A hint for the missing-mask-token error: a preset's mask id where this tokenizer reserves it
+    (Qwen3.6: 248070, the reference drafters'), else the first reserved special token that the chat
+    template never writes, else the first embedding row past the tokenizer's vocabulary."""
+    from manifests import load_preset, preset_names
+    from pipeline.target import reserved_token_ids
+
+    used = {tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}
+    template = tokenizer.chat_template or ""
+    unused = sorted(i for i in reserved_token_ids(tokenizer)
+                    if i not in used and tokenizer.convert_ids_to_tokens(i) not in template and i < facts.vocab_size)
+    for name in preset_names():
+        target = load_preset(name).get("target", {})
+        if target.get("vocab_size") == facts.vocab_size and target.get("mask_token") in unused:
+            mask_id = target["mask_token"]
+            return (f"; e.g. --mask-token {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}, a reserved token the chat "
+                    f"template never writes, and the mask id of preset {name!r}'s reference drafter)")
+    if unused:
+        return (f"; e.g. --mask-token {unused[0]} ({tokenizer.convert_ids_to_tokens(unused[0])!r}, a reserved token the "
+                "chat template never writes)")
+    if len(tokenizer) < facts.vocab_size:
+        return f"; e.g. --mask-token {len(tokenizer)} (an embedding row past the tokenizer's {len(tokenizer)} tokens)"
+    return ""
 
 
 def check_mask_absent(reader: CacheReader, mask_id: int) -> None:

@@ -139,15 +139,10 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-SPAN_STYLES = {"reasoning": "bold black on yellow", "content": "bold black on green", "tool_call": "bold white on blue",
-               "end_of_turn": "bold white on magenta", "": "dim"}
-
-
-def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
-    """A rich Text of the decoded sample, supervised tokens coloured by kind (reasoning, content,
-    tool call, end of turn), and its span summary."""
-    from rich.text import Text
-
+def show_sample(cache_dir: Path, sample_id: int, target: Path | None) -> dict:
+    """The sample as `--show` prints it: its tokens decoded one by one, each one's kind
+    (reasoning, content, tool call, end of turn; '' = not supervised), loss mask and label (the
+    target's argmax at the position before, DESIGN 3.2), and a one-line span summary."""
     reader = open_cache(cache_dir)
     shard = reader.find(sample_id)
     try:
@@ -156,16 +151,14 @@ def show_sample(cache_dir: Path, sample_id: int, target: Path | None):
         raise PipelineError(f"--show needs the target's tokenizer: {e}") from None
     tokenizer = load_tokenizer(target_dir)
     ids, mask = shard.read("input_ids", sample_id).tolist(), shard.read("loss_mask", sample_id).tolist()
+    argmax = shard.read("target_argmax", sample_id).tolist()
     pieces = [tokenizer.decode([token]) for token in ids]
     ends = np.cumsum([len(p) for p in pieces])
     offsets = np.stack([ends - [len(p) for p in pieces], ends], axis=1) if pieces else np.zeros((0, 2), dtype=np.int64)
     kinds = token_kinds("".join(pieces), offsets, mask, reader.manifest.identity.tokenizer.end_of_turn)
-    text = Text()
-    for piece, kind in zip(pieces, kinds):
-        text.append(piece, style=SPAN_STYLES[kind])
     supervised = [i for i, m in enumerate(mask) if m]
     by_kind = ", ".join(f"{kinds.count(k)} {k.replace('_', ' ')}" for k in ("reasoning", "content", "tool_call", "end_of_turn"))
-    legend = "  ".join(f"[{SPAN_STYLES[k]}] {k.replace('_', ' ')} [/]" for k in ("reasoning", "content", "tool_call", "end_of_turn"))
     header = (f"sample {sample_id} ({shard.path.name}): {len(ids)} tokens, {len(supervised)} supervised ({by_kind}), "
               f"first {supervised[0] if supervised else None}, last {supervised[-1] if supervised else None}")
-    return header, text, legend
+    return {"sample_id": sample_id, "shard": shard.path.name, "summary": header, "input_ids": ids, "loss_mask": mask,
+            "labels": [None, *argmax[:-1]], "pieces": pieces, "kinds": kinds}

@@ -17,7 +17,7 @@ import torch
 from pipeline.cache.checks import Check, SampleList, sound_shards
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sample_checks import shard_tokens
-from pipeline.capture import tail_forward
+from pipeline.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
 from pipeline.provenance import kernel_record
 from pipeline.transformers_internals import KernelCallCounter
@@ -120,24 +120,26 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
 
 
 @torch.no_grad()
-def tail_errors(model, lm_head, deepest_tap: int, samples: list[dict], logits_chunk: int = 2048) -> list[dict]:
+def tail_errors(model, lm_head, deepest_tap: int, samples: list[dict], logits_chunk: int = 256) -> list[dict]:
     """Per sample, how far the stored predictions are from the tail recompute: the largest
     shortfall of the stored argmax's logit below the best logit, of |stored top-k logit -
     recomputed|, of |stored logsumexp - recomputed|, with the position of each."""
     lasts = tail_forward(model, deepest_tap, [s["tap"] for s in samples])
+    chunks = LogitChunks(lm_head, logits_chunk)
     out = []
     for sample, last in zip(samples, lasts):
         worst = {"argmax": (0.0, -1), "topk": (0.0, -1), "logsumexp": (0.0, -1)}
-        for a in range(0, len(last), logits_chunk):
-            logits = lm_head(last[a:a + logits_chunk]).float().cpu()
+        for a, logits in chunks(last):
+            logits = logits.cpu()
             b = a + len(logits)
             argmax = torch.from_numpy(sample["target_argmax"][a:b].astype(np.int64))
             top_ids = torch.from_numpy(sample["target_topk_ids"][a:b].astype(np.int64))
+            best = logits.max(-1).values
             errors = {
-                "argmax": logits.max(-1).values - logits.gather(1, argmax[:, None])[:, 0],
+                "argmax": best - logits.gather(1, argmax[:, None])[:, 0],
                 "topk": (logits.gather(1, top_ids) - torch.from_numpy(sample["target_topk_logits"][a:b])).abs().amax(-1),
-                "logsumexp": (torch.logsumexp(logits, -1) - torch.from_numpy(sample["target_logsumexp"][a:b])).abs(),
             }
+            errors["logsumexp"] = (logsumexp_(logits, best) - torch.from_numpy(sample["target_logsumexp"][a:b])).abs()
             for key, err in errors.items():
                 err = torch.nan_to_num(err, nan=float("inf"))  # a NaN prediction is as wrong as can be
                 at = int(err.argmax())

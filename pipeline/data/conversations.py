@@ -86,10 +86,12 @@ class RowIndex:
     offsets: list[np.ndarray | None]
 
 
-def index_rows(paths: list[Path], on_error: str = "fail", check: Callable[[Row], object] | None = None) -> tuple[RowIndex, int]:
+def index_rows(paths: list[Path], on_error: str = "fail", check: Callable[[Row], object] | None = None,
+               skipped: list[tuple[int, str]] | None = None) -> tuple[RowIndex, int]:
     """One validating pass over the dataset: (index, number of malformed rows). `check` (e.g.
     rendering with the chat template) may refuse a parsed row with a PipelineError. With
-    on_error='fail' the first bad row raises its PipelineError."""
+    on_error='fail' the first bad row raises its PipelineError; with 'skip' each is counted, and
+    (sample id, message) appended to `skipped` when given."""
     counts, lines, offsets, malformed, sample_id = [], [], [], 0, 0
     for path in paths:
         if not path.is_file():
@@ -104,10 +106,12 @@ def index_rows(paths: list[Path], on_error: str = "fail", check: Callable[[Row],
                 row = parse_row(sample_id, where, obj)
                 if check is not None:
                     check(row)
-            except PipelineError:
+            except PipelineError as e:
                 if on_error != "skip":
                     raise
                 malformed += 1
+                if skipped is not None:
+                    skipped.append((sample_id, str(e)))
             file_lines.append(n)
             file_offsets.append(off)
             count += 1
@@ -119,7 +123,9 @@ def index_rows(paths: list[Path], on_error: str = "fail", check: Callable[[Row],
     return RowIndex(counts=counts, lines=lines, offsets=offsets), malformed
 
 
-def parse_row(sample_id: int, where: str, obj) -> Row:
+def parse_row(sample_id: int, where: str, obj, *, need_answer: bool = True) -> Row:
+    """One row, normalised. `need_answer=False` (eval's prompt sets): a conversation with no
+    assistant turn is a prompt, not an error."""
     if isinstance(obj, Exception):
         raise obj
     if not isinstance(obj, dict):
@@ -146,7 +152,7 @@ def parse_row(sample_id: int, where: str, obj) -> Row:
             raise PipelineError(f"{at} must be an object")
         messages.append(_sharegpt_message(at, turn) if sharegpt else _openai_message(at, turn))
     _check_tool_replies(where, field, messages)
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         raise PipelineError(f"{where}: field '{field}' has no assistant turn, so nothing to learn from")
     return Row(sample_id=sample_id, where=where, messages=messages, tools=_tools(where, obj.get("tools")),
                template_kwargs=_template_kwargs(where, obj.get("chat_template_kwargs")),
@@ -297,7 +303,7 @@ def _generated_by(where: str, value) -> str | None:
 
 
 def iter_rows(paths: list[Path], *, on_error: str = "fail", wanted: range | set[int] | None = None,
-              index: RowIndex | None = None) -> Iterator[Row | PipelineError]:
+              index: RowIndex | None = None, need_answer: bool = True) -> Iterator[Row | PipelineError]:
     """Rows in order with global sample ids, only those in `wanted` (all if None). With
     on_error='skip' a bad row is yielded as its PipelineError (so the caller can count it);
     with 'fail' it is raised. With an index, JSONL files are entered at the first wanted row
@@ -329,7 +335,7 @@ def iter_rows(paths: list[Path], *, on_error: str = "fail", wanted: range | set[
             if wanted is not None and sample_id not in wanted:
                 continue
             try:
-                yield parse_row(sample_id, where, load())
+                yield parse_row(sample_id, where, load(), need_answer=need_answer)
             except PipelineError as e:
                 if on_error != "skip":
                     raise

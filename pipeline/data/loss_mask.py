@@ -70,6 +70,11 @@ def render(tokenizer, messages: list[dict], *, generation_prompt: bool, tools=No
                                          add_generation_prompt=generation_prompt, **(template_kwargs or {}))
 
 
+def template_message(error: Exception) -> str:
+    """A template's exception as one line (its first)."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
 def generation_prompt(tokenizer, template_kwargs: dict) -> GenerationPrompt:
     """Header and supplied text of the template's generation prompt in this mode."""
     probe = [{"role": "user", "content": "?"}]
@@ -143,10 +148,33 @@ class ConversationMasker:
         try:
             text = render(self.tokenizer, messages, generation_prompt=False, tools=tools, template_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - templates raise many types (TemplateError, TypeError, ...)
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            raise PipelineError(f"{where}: the chat template refuses this row ({first})") from None
+            raise PipelineError(f"{where}: the chat template refuses this row ({template_message(e)})") from None
         return Rendered(text=text, messages=messages, spans=generated_spans(text, prompt, self.end_of_turn, num_assistant, where),
                         reasoning_turns=reasoning_turns, dropped=dropped)
+
+    def validate(self, row, *, prompts: str | None = None) -> None:
+        """The check every stage applies to a parsed row before any model work (extract's
+        validating pass, generate's): the template renders the conversation and every assistant
+        turn is found in it. `prompts="all"` / `"last"` (generate): each assistant turn to be
+        written, or the last, must also render as a prompt (the conversation before it plus the
+        generation prompt); Qwen3.5/3.6's template refuses one that follows no user turn (a
+        greeting after the system prompt), although the whole conversation renders. Raises a
+        one-line PipelineError naming the row and the turn."""
+        if row.messages is None:
+            return
+        self.render(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
+        if prompts is None:
+            return
+        kwargs = {**self.template_kwargs, **(row.template_kwargs or {})}
+        turns = [i for i, m in enumerate(row.messages) if m["role"] == "assistant"]
+        for k, i in enumerate(turns, 1):
+            if prompts == "last" and k < len(turns):
+                continue
+            try:
+                render(self.tokenizer, row.messages[:i], generation_prompt=True, tools=row.tools, template_kwargs=kwargs)
+            except Exception as e:  # noqa: BLE001 - templates raise many types
+                raise PipelineError(f"{row.where} (assistant turn {k} of {len(turns)}): the chat template cannot render "
+                                    f"the prompt for this turn ({template_message(e)})") from None
 
     def __call__(self, messages: list[dict], *, tools=None, row_kwargs: dict | None = None, where: str = "conversation") -> Tokenized:
         rendered = self.render(messages, tools=tools, row_kwargs=row_kwargs, where=where)

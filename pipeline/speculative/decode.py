@@ -38,7 +38,7 @@ def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool
 
 def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]) -> Decoded:
     start = target.passes
-    step = target.run(prompt, None, 0, with_hidden=False)
+    step = target.run(prompt, None, 0, with_hidden=False, last_only=True)
     out: list[int] = []
     pos = len(prompt)
     token = int(step.logits[-1].argmax())
@@ -83,7 +83,7 @@ def drafting(drafter, cached: bool = True):
 def _prefill(target: LiveTarget, prompt: list[int], context):
     """(committed state, position of the first new token, that token); the prompt's tapped hidden
     states go into the drafter's context."""
-    pre = target.run(prompt, None, 0)
+    pre = target.run(prompt, None, 0, with_hidden=context is not None, last_only=True)
     if context is not None:
         context.extend(pre.hidden)
     return pre.state, len(prompt), int(pre.logits[-1].argmax())

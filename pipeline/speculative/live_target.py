@@ -25,6 +25,7 @@ each one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -35,8 +36,8 @@ from pipeline import transformers_internals as internals
 
 @dataclass
 class Step:
-    logits: torch.Tensor    # [L, V] (or [R, L, V] for batched rows)
-    hidden: torch.Tensor | None  # [L, n, H] tapped hidden states (hidden_states[i + 1]); None unless asked for
+    logits: torch.Tensor    # [L, V] (or [R, L, V] for batched rows; [1, V] for a `last_only` run), float32
+    hidden: torch.Tensor | None  # [L, n, H] tapped hidden states (hidden_states[i + 1]) in the model's dtype; None unless asked for
     state: object           # the cache after these tokens
 
 
@@ -48,16 +49,34 @@ class LiveTarget:
         self.tokens = 0       # tokens fed through the target
 
     @torch.no_grad()
-    def run(self, tokens: list[int] | torch.Tensor, state, start: int, *, with_hidden: bool = True) -> Step:
+    def run(self, tokens: list[int] | torch.Tensor, state, start: int, *, with_hidden: bool = True,
+            last_only: bool = False) -> Step:
         """Feed `tokens` at positions start.. on top of `state` (None: empty). `state` is updated
-        in place by transformers; pass a copy to keep the original."""
+        in place by transformers; pass a copy to keep the original. `last_only`: logits for the
+        last token alone (a prefill: the only one decoding reads; the lm_head over every prompt
+        token would hold prompt x vocabulary floats, about 1 MB a token at Qwen's 248k vocab)."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1).to(self.device)
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True, output_hidden_states=with_hidden)
+        with self.tapped(with_hidden) as taps:
+            out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True,
+                             logits_to_keep=1 if last_only else 0)
         self.passes += 1
         self.tokens += ids.shape[1]
-        hidden = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1).float() if with_hidden else None
-        return Step(out.logits[0].float(), hidden, out.cache)
+        return Step(out.logits[0].float(), taps.stacked()[0] if with_hidden else None, out.cache)
+
+    @contextlib.contextmanager
+    def tapped(self, enabled: bool = True):
+        """Keep the outputs of the tapped decoder layers during a forward (forward hooks: the
+        output of layer i is `hidden_states[i + 1]`, DESIGN 3.1), and nothing else: asking the
+        model for `output_hidden_states` would hold every layer's states."""
+        taps = _Taps(self.taps)
+        layers = self.model.model.layers
+        hooks = [layers[t].register_forward_hook(taps.hook(t)) for t in self.taps] if enabled else []
+        try:
+            yield taps
+        finally:
+            for h in hooks:
+                h.remove()
 
     @torch.no_grad()
     def verify(self, tokens: list[int], state, start: int, *, with_hidden: bool = True) -> Verified:
@@ -77,11 +96,11 @@ class LiveTarget:
         recording = internals.repeat_state(state, rows.shape[0])   # a copy already
         internals.start_recording(recording)
         positions = torch.arange(start, start + rows.shape[1], device=self.device)[None].expand(rows.shape[0], -1)
-        with internals.recording_states() as states:
-            out = self.model(input_ids=rows, position_ids=positions, cache=recording, use_cache=True, output_hidden_states=True)
+        with internals.recording_states() as states, self.tapped() as taps:
+            out = self.model(input_ids=rows, position_ids=positions, cache=recording, use_cache=True)
         self.passes += 1
         self.tokens += rows.numel()
-        hidden = torch.stack([out.hidden_states[i + 1] for i in self.taps], dim=2).float()   # [R, L, n, H]
+        hidden = taps.stacked()   # [R, L, n, H]
         return Verified(Step(out.logits.float(), hidden, out.cache), rows.shape[1], states)
 
     @staticmethod
@@ -128,12 +147,12 @@ class LiveTarget:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
         internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths
-        with internals.tree_rules(parents) as inputs:
+        with internals.tree_rules(parents) as inputs, self.tapped() as taps:
             out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True,
-                             output_hidden_states=True, attention_mask=internals.attention_masks(self.model, visible))
+                             attention_mask=internals.attention_masks(self.model, visible))
         self.passes += 1
         self.tokens += count * n
-        hidden = torch.stack([out.hidden_states[i + 1] for i in self.taps], dim=2).float()
+        hidden = taps.stacked()
         return TreeVerified(Step(out.logits.float(), hidden, out.cache), n, inputs, rows)
 
     @staticmethod
@@ -152,8 +171,9 @@ class LiveTarget:
     @torch.no_grad()
     def prefill_rows(self, prompts: list[list[int]], *, with_hidden: bool = True) -> tuple[Rows, list[Step]]:
         """Each prompt prefilled on its own (no padding inside the target's pass), then their
-        caches stacked into rows; the per-prompt steps carry the logits and tapped hidden states."""
-        steps = [self.run(p, None, 0, with_hidden=with_hidden) for p in prompts]
+        caches stacked into rows; the per-prompt steps carry the last token's logits [1, V] and
+        every prompt token's tapped hidden states."""
+        steps = [self.run(p, None, 0, with_hidden=with_hidden, last_only=True) for p in prompts]
         state, valid = internals.stack_rows([s.state for s in steps], [len(p) for p in prompts])
         return Rows(state, valid, [len(p) for p in prompts]), steps
 
@@ -206,3 +226,19 @@ class TreeVerified:
     length: int                                     # tree tokens per row, the root included
     states: list[internals.TreeStepInputs]          # per linear-attention layer, its step inputs
     rows: Rows                                      # what the trees continued
+
+
+class _Taps:
+    """The tapped layers' outputs of one forward, by layer index."""
+
+    def __init__(self, taps: list[int]):
+        self.taps, self.outputs = taps, {}
+
+    def hook(self, index: int):
+        def keep(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def stacked(self) -> torch.Tensor:
+        """[batch, tokens, n, H]."""
+        return torch.stack([self.outputs[t] for t in self.taps], dim=2)
