@@ -168,7 +168,7 @@ def suggest_mask_token(tokenizer, facts: TargetFacts) -> str:
         if target.get("vocab_size") == facts.vocab_size and target.get("mask_token") in unused:
             mask_id = target["mask_token"]
             return (f"; e.g. --mask-token {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}, a reserved token the chat "
-                    f"template never writes, and the mask id of preset {name!r}'s reference drafter)")
+                    f"template never writes: the reference drafters' mask id, preset {name})")
     if unused:
         return (f"; e.g. --mask-token {unused[0]} ({tokenizer.convert_ids_to_tokens(unused[0])!r}, a reserved token the "
                 "chat template never writes)")

@@ -308,7 +308,7 @@ def check_alignment(reader: CacheReader, shards: list[str]) -> tuple[Check, Chec
     inconclusive = best is not None and rates[best] < INCONCLUSIVE_RATE and not misaligned
     aggregate_ok = best == 0 and rates[0] is not None and rates[0] > max(rates[-1] or 0, rates[1] or 0) + 0.05
     if inconclusive:
-        summary = (f"inconclusive: the target's argmax agrees with the data at no shift ({summary}; all under "
+        summary = (f"the target's argmax agrees with the data at no shift ({summary}; all under "
                    f"{INCONCLUSIVE_RATE}), so alignment cannot be told (random weights, or the data was not written by this target)")
     elif not aggregate_ok and best is not None:
         summary += f" (best is argmax[{names[best]}]: labels look shifted by {best:+d})" if best else " (no clear winner)"
