@@ -25,12 +25,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_state = {"debug": False}
+_state = {"debug": False, "threads": "auto"}
 
 
 @app.callback()
-def _main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False) -> None:
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+          threads: Annotated[str, typer.Option(help="CPU threads for torch: N, or 'auto' (default): OMP_NUM_THREADS when set, else the cores other processes leave idle now (torch's default on an idle machine; on a busy one fewer threads run faster).")] = "auto") -> None:
     _state["debug"] = debug
+    _state["threads"] = threads
 
 
 def _user_errors(fn):
@@ -38,6 +40,8 @@ def _user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            from pipeline.threads import apply_threads
+            apply_threads(_state["threads"])
             return fn(*args, **kwargs)
         except PipelineError as e:
             if _state["debug"]:
@@ -260,7 +264,7 @@ def eval_(
 ) -> None:
     """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
     blocks and DDTree trees, checked token for token against plain greedy decoding."""
-    from pipeline.ui import ProgressBar
+    from pipeline.ui import ProgressBar, warning
     from stages.eval import run_eval
 
     budgets = _int_list(tree_budget, "--tree-budget") or []
@@ -268,7 +272,7 @@ def eval_(
     with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
-                          device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size)
+                          device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning)
     _show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)
@@ -406,10 +410,12 @@ def verify_cache(
 ) -> None:
     """Prove a cache is complete, intact, aligned and correctly masked. Exit 0: all checks pass;
     1: a check failed; 2: usage error."""
+    from pipeline.threads import apply_threads
     from pipeline.ui import error, print_json, print_sample
     from stages.verify import run_verify, show_sample
 
     try:
+        apply_threads(_state["threads"])
         shown = show_sample(cache, show, target) if show is not None else None
         if shown is not None and not json_out:
             print_sample(shown)

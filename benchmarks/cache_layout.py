@@ -252,13 +252,16 @@ def measure_read(root: Path, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--skip-commit", action="store_true")
-    parser.add_argument("--skip-read", action="store_true")
-    parser.add_argument("--repeats", type=int, default=2, help="commit repeats; read rounds are 2 x this + 1")
+    parser.add_argument("--json", action="store_true", help="print the result as one line of JSON, not indented")
+    parser.add_argument("--skip-commit", action="store_true", help="skip the commit time vs shard size (part 2)")
+    parser.add_argument("--skip-read", action="store_true", help="skip the read rate at the flagship width (part 3)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="commit repeats; read rounds are 2 x this + 1 (default %(default)s)")
     parser.add_argument("--as-train", action="store_true",
                         help="read as `pipeline train` does: keep_sample_buffers_mapped() first (schema 2 tree only)")
     args = parser.parse_args()
+    if args.repeats < 1:  # the medians need one measurement at least
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(1)
     if args.as_train:
         from pipeline.cache.sharded import keep_sample_buffers_mapped

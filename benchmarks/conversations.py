@@ -81,11 +81,19 @@ def write_dataset(path: Path, rows: int, seed: int = 0) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--template", type=Path, required=True, help="a real chat template (.jinja)")
-    parser.add_argument("--rows", type=int, default=60)
-    parser.add_argument("--out", type=Path, default=None, help="keep the dataset, target and cache here")
-    parser.add_argument("--data-only", action="store_true")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rows", type=int, default=60, help="conversations in the dataset (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="keep the dataset, target and cache here (default: a new temporary folder)")
+    parser.add_argument("--data-only", action="store_true", help="only write the dataset and print its path")
+    parser.add_argument("--json", action="store_true", help="print the result, per-row counts included, as JSON")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback after the dataset is written.
+    if not args.data_only and not args.template.is_file():
+        parser.error(f"--template: no such file: {args.template}")
+    if args.rows < 1:
+        parser.error(f"--rows must be at least 1, got {args.rows}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out must be a folder, not a file: {args.out}")
 
     out = args.out or Path(tempfile.mkdtemp(prefix="dflash-conversations-"))
     out.mkdir(parents=True, exist_ok=True)

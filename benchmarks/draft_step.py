@@ -32,11 +32,17 @@ from pipeline.speculative.decode import draft_logits  # noqa: E402
 TAPS, BLOCK, VOCAB, ACCEPTED = 3, 16, 4096, 4
 
 
+def head_counts(hidden: int) -> tuple[int, int]:
+    """(query heads, KV heads) of the drafter, 64 wide."""
+    heads = max(2, hidden // 64)
+    return heads, max(1, heads // 4)
+
+
 def make_drafter(hidden: int, layers: int) -> DFlashDrafter:
     torch.manual_seed(0)
-    heads = max(2, hidden // 64)
+    heads, kv_heads = head_counts(hidden)
     config = DrafterConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
                            vocab_size=VOCAB, target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=VOCAB - 1,
                            block_size=BLOCK)
     return DFlashDrafter(config, embed=torch.nn.Embedding(VOCAB, hidden), lm_head=torch.nn.Linear(hidden, VOCAB, bias=False)).eval()
@@ -54,15 +60,32 @@ def median_seconds(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--contexts", default="128,512,2048")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--hidden", type=int, default=128,
+                        help="drafter hidden size; query heads = max(2, hidden/64) (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="drafter layers (default %(default)s)")
+    parser.add_argument("--contexts", default="128,512,2048",
+                        help="context lengths in tokens, comma-separated (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed steps per context length; the median is reported (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as a Python dict")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback from the drafter or torch.
+    heads, kv_heads = head_counts(args.hidden)
+    if args.hidden < 1 or heads % kv_heads:
+        parser.error(f"--hidden must be positive, with its max(2, hidden/64) query heads a multiple of its "
+                     f"max(1, heads/4) KV heads (e.g. 128, 256, 1024), got {args.hidden}")
+    for name in ("layers", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    try:
+        contexts = [int(t) for t in args.contexts.split(",")]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1:
+        parser.error(f"--contexts must be comma-separated positive integers, got {args.contexts!r}")
     drafter = make_drafter(args.hidden, args.layers)
     rows = []
-    for t in map(int, args.contexts.split(",")):
+    for t in contexts:
         hidden = torch.randn(t + ACCEPTED * (args.repeats + 2), TAPS, args.hidden)
         before = median_seconds(lambda: draft_logits(drafter, hidden[:t], 7, t), args.repeats)
         cache = DraftContext(drafter)

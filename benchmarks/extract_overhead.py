@@ -127,14 +127,25 @@ def hidden_share(cache: Path) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=24576)
-    parser.add_argument("--batch-tokens", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--num-shards", type=int, default=4)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the random target (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="decoder layers of the random target, at least 8 for its 5 taps (default %(default)s)")
+    parser.add_argument("--tokens", type=int, default=24576,
+                        help="tokens of pre-tokenized rows for the overhead part (default %(default)s)")
+    parser.add_argument("--batch-tokens", type=int, default=2048,
+                        help="forward batch budget in tokens, padding included (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="bare/extract rounds; medians are reported (default %(default)s)")
+    parser.add_argument("--num-shards", type=int, default=4,
+                        help="shards of the overhead part's extraction (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="no effect: the result is always printed as JSON")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback after the target is built.
+    for name in ("hidden", "tokens", "batch_tokens", "rounds", "num_shards"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.layers < 8:  # extract taps default_taps(layers, 5): five distinct layers below the last need 8
+        parser.error(f"--layers must be at least 8 (extract taps 5 layers below the last), got {args.layers}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

@@ -31,13 +31,23 @@ CHUNKING = {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chun
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=24)
-    parser.add_argument("--shards", type=int, default=3)
-    parser.add_argument("--per-failpoint", type=int, default=4)
-    parser.add_argument("--timed", type=int, default=4)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rows", type=int, default=24,
+                        help="conversations from the embedded training data to extract (default %(default)s)")
+    parser.add_argument("--shards", type=int, default=3, help="shards of the extraction (default %(default)s)")
+    parser.add_argument("--per-failpoint", type=int, default=4,
+                        help="trials killed at a random hit of each failpoint (default %(default)s)")
+    parser.add_argument("--timed", type=int, default=4,
+                        help="trials killed after a random delay instead (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as a markdown table")
     args = parser.parse_args()
-    rows = [json.loads(line) for line in (REPO / "pipeline/embedded/data/train.jsonl").read_text().splitlines()[:args.rows]]
+    # Bad values end here in one line, not in a traceback from the trial runner.
+    for name, least in (("rows", 1), ("shards", 1), ("per_failpoint", 0), ("timed", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    available = (REPO / "pipeline/embedded/data/train.jsonl").read_text().splitlines()
+    if args.rows > len(available):
+        parser.error(f"--rows must be at most {len(available)} (the embedded training conversations), got {args.rows}")
+    rows = [json.loads(line) for line in available[:args.rows]]
     with tempfile.TemporaryDirectory(prefix="dflash-kill-") as tmp:
         root = Path(tmp)
         data = write_rows(root / "convs.jsonl", rows)

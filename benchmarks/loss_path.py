@@ -38,11 +38,18 @@ def run(runner, batches, state, full: bool) -> tuple[float, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache", type=Path)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cache", type=Path, help="a cache of the embedded target (default: extract one here)")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per path per round (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, each running both paths; medians are reported (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as a Python dict")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback after the setup.
+    if args.cache is not None and not (args.cache / "manifest.json").is_file():
+        parser.error(f"--cache: no cache at {args.cache} (no manifest.json)")
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     with tempfile.TemporaryDirectory() as tmp:
         cfg, reader, runner = setup(cache_or_extract(args.cache, tmp))
         batches = list(stream_batches(cfg, reader, runner, args.steps))

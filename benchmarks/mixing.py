@@ -59,13 +59,18 @@ def curve(steps=(100, 300, 750)) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--shards", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="dataset rows in the shard plan (default %(default)s)")
+    parser.add_argument("--shards", type=int, default=64, help="shards in the plan (default %(default)s)")
     parser.add_argument("--curve", action="store_true", help="also train the tiny preset with each order")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as a Python dict")
     args = parser.parse_args()
     batch = load_preset("qwen3.6-27b")["drafter"]["batch_sequences"]
+    # Bad values end here in one line, not in a traceback from min() of no batches.
+    if args.shards < 1:
+        parser.error(f"--shards must be at least 1, got {args.shards}")
+    if args.rows < batch:
+        parser.error(f"--rows must be at least one global batch ({batch} sequences), got {args.rows}")
     sizes = {f"shard-{s:05d}": len(shard_rows(s, args.rows, args.shards)) for s in range(args.shards)}
     result = {"rows": args.rows, "shards": args.shards, "batch_sequences": batch}
     for mix in sorted({1, TrainConfig.mix_shards}):

@@ -18,8 +18,10 @@ from pipeline.speculative.odd_prompts import odd_conversations  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the JSONL file to write (its folder must exist)")
     args = parser.parse_args()
+    if args.out.is_dir() or not args.out.parent.is_dir():  # one line, not a traceback from write_text
+        parser.error(f"--out must be a file in an existing folder, got {args.out}")
     rows = odd_conversations()
     args.out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     print(f"{len(rows)} prompts -> {args.out}")

@@ -432,15 +432,28 @@ def profile_ours(impl: Ours, rows: int = 15) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="h1024")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="h1024",
+                        help="drafter geometry: small (hidden 128, about 30 s) or h1024 (hidden 1024, about 5 min) (default %(default)s)")
     parser.add_argument("--layers", type=int, help="drafter layers (default: the config's)")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (each: one step of every implementation)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds, each one step of every implementation (default %(default)s)")
     parser.add_argument("--peers", default="speculators,specforge", help="comma-separated subset, or 'none'")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights; the batch uses seed + 1 (default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="also break our step down (a few extra steps)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as key: value lines")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback after the weights are built.
+    for name in ("layers", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    known = {"speculators", "specforge"}
+    peers = [] if args.peers == "none" else [p.strip() for p in args.peers.split(",") if p.strip()]
+    if not set(peers) <= known:
+        parser.error(f"--peers: unknown {sorted(set(peers) - known)}; choose from {sorted(known)} or 'none'")
     if args.threads:
         torch.set_num_threads(args.threads)
     g = CONFIGS[args.config]
@@ -450,7 +463,6 @@ def main() -> None:
     ours_model = build_ours(g, args.seed)
     batch = build_batch(g, ours_model.lm_head_weight.detach(), args.seed + 1)
     impls = [Ours(ours_model, batch, g)]
-    peers = [] if args.peers == "none" else [p.strip() for p in args.peers.split(",") if p.strip()]
     for p in peers:
         cls = {"speculators": Speculators, "specforge": SpecForge}[p]
         impls.append(cls(ours_model, batch, g))

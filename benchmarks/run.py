@@ -291,9 +291,11 @@ def markdown(r: dict, command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one round (minutes, not tens of minutes)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     parser.add_argument("--out", type=Path, default=Path("benchmark-results"), help="folder for table.md and results.json")
     args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():  # found now, not after the whole run
+        parser.error(f"--out must be a folder, not a file: {args.out}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

@@ -46,14 +46,20 @@ from pipeline.speculative.tree import build_tree  # noqa: E402
 BLOCK, TAPS = 16, [1, 3, 5]
 
 
+def head_counts(hidden: int) -> tuple[int, int, int, int]:
+    """(attention heads, KV heads, linear-attention key heads, value heads) of `random_target`, all 128 wide."""
+    return hidden // 128, max(1, hidden // 512), hidden // 256, hidden // 128
+
+
 def random_target(hidden: int, layers: int, vocab: int):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
+    heads, kv_heads, linear_k, linear_v = head_counts(hidden)
     config = Qwen3_5TextConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512), head_dim=128,
-        linear_num_key_heads=hidden // 256, linear_num_value_heads=hidden // 128, linear_key_head_dim=128,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
+        linear_num_key_heads=linear_k, linear_num_value_heads=linear_v, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8192, tie_word_embeddings=False,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
@@ -172,26 +178,53 @@ def decode_speed(live: LiveTarget, vocab: int, prompts: list[list[int]], budgets
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", choices=["random", "embedded"], default="random")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--max-new", type=int, default=64)
-    parser.add_argument("--budgets", default="16,64")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--accuracy", type=float, default=0.8)
-    parser.add_argument("--skip-decode", action="store_true")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--target", choices=["random", "embedded"], default="random",
+                        help="random: random-weight Qwen3.5 sized by --hidden/--layers/--vocab; embedded: the 1.7 M tiny target")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="hidden size of the random target, a multiple of 256 such as 512 or 2048 (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=12,
+                        help=f"decoder layers of the random target, at least {max(TAPS) + 2}: taps fixed at {TAPS} "
+                             "(default %(default)s)")
+    parser.add_argument("--vocab", type=int, default=32768, help="vocabulary of the random target (default %(default)s)")
+    parser.add_argument("--prompts", type=int, default=6, help="random prompts decoded for the speed part (default %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default %(default)s)")
+    parser.add_argument("--max-new", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    parser.add_argument("--budgets", default="16,64", help="DDTree node budgets, comma-separated (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timings of each verify step; the median is reported (default %(default)s)")
+    parser.add_argument("--accuracy", type=float, default=0.8,
+                        help="chance per block slot that the oracle drafter ranks the right token first, 0..1 "
+                             "(default %(default)s)")
+    parser.add_argument("--skip-decode", action="store_true", help="measure the verify step only, not the speed vs greedy")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback from inside transformers or torch.
+    if args.target == "random":  # --hidden, --layers and --vocab size the random target only
+        heads, kv_heads, _, _ = head_counts(args.hidden)
+        if args.hidden < 256 or args.hidden % 256 or heads % kv_heads:
+            parser.error(f"--hidden must be a multiple of 256 whose hidden/128 heads are a multiple of its "
+                         f"max(1, hidden/512) KV heads (e.g. 512, 1024, 2048), got {args.hidden}")
+        if max(TAPS) >= args.layers - 1:  # a tap is never the last decoder layer (pipeline/taps.py)
+            parser.error(f"--layers must be at least {max(TAPS) + 2} (taps fixed at {TAPS}), got {args.layers}")
+        if args.vocab < 2:  # the oracle puts a wrong token first on a miss
+            parser.error(f"--vocab must be at least 2, got {args.vocab}")
+    for name in ("prompts", "prompt_len", "max_new", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.accuracy <= 1:
+        parser.error(f"--accuracy must be between 0 and 1, got {args.accuracy}")
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")]
+    except ValueError:
+        budgets = []
+    if not budgets or min(budgets) < 1:
+        parser.error(f"--budgets must be comma-separated positive integers, got {args.budgets!r}")
 
     model = random_target(args.hidden, args.layers, args.vocab) if args.target == "random" else embedded_target()
     vocab = model.config.vocab_size
     live = LiveTarget(model, TAPS)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(min(vocab, 512), (args.prompt_len,), generator=generator).tolist() for _ in range(args.prompts)]
-    budgets = [int(b) for b in args.budgets.split(",")]
     result = {"target": args.target, "parameters": sum(p.numel() for p in model.parameters()),
               "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "accuracy": args.accuracy,
               "verify_step": verify_costs(live, vocab, prompts[0], budgets, args.repeats, args.accuracy)}

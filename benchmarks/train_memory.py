@@ -144,14 +144,22 @@ def project(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--anchors", type=int, nargs="+", default=[32, 64, 128])
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--paths", nargs="+", default=["full", "chunked"])
-    parser.add_argument("--json", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--anchors", type=int, nargs="+", default=[32, 64, 128],
+                        help="anchor counts to measure, 16 queries each (default: 32 64 128)")
+    parser.add_argument("--layers", type=int, default=1, help="drafter layers (default %(default)s)")
+    parser.add_argument("--paths", nargs="+", choices=["full", "chunked"], default=["full", "chunked"],
+                        help="loss paths to measure: full logits, chunked loss (default: both)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as a Python dict")
     parser.add_argument("--one", nargs=3, metavar=("PATH", "ANCHORS", "LAYERS"), help=argparse.SUPPRESS)
     parser.add_argument("--project", nargs="+", type=Path, metavar="JSON", help="outputs of --json runs to project from")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback (or a row's error) per measurement.
+    if min(args.anchors) < 1 or args.layers < 1:
+        parser.error(f"--anchors and --layers must be at least 1, got {args.anchors} and {args.layers}")
+    missing = [str(p) for p in args.project or [] if not p.is_file()]
+    if missing:
+        parser.error(f"--project: no such file: {', '.join(missing)}")
     if args.project:
         rows = [r for p in args.project for r in json.loads(p.read_text())["rows"] if "error" not in r]
         print(json.dumps({"fit": fit(rows), "projection": project(rows)}, indent=1))

@@ -130,10 +130,17 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, help="a cache of the embedded target (default: extract one here)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per measurement")
     parser.add_argument("--loop-steps", type=int, default=2, help="steps for the (slow) per-anchor loop")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds alternating the variants; medians are reported (default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as a table")
     args = parser.parse_args()
+    # Bad values end here in one line, not in a traceback after the setup.
+    if args.cache is not None and not (args.cache / "manifest.json").is_file():
+        parser.error(f"--cache: no cache at {args.cache} (no manifest.json)")
+    for name in ("steps", "loop_steps", "rounds", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -70,9 +70,12 @@ def tail_vs_full(cache: Path, rounds: int = 3) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--shards", type=int, default=8,
+                        help="shards of the embedded target's extraction (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not as key: value lines")
     args = parser.parse_args()
+    if args.shards < 1:  # one line, not a traceback from the extraction
+        parser.error(f"--shards must be at least 1, got {args.shards}")
     root = Path(tempfile.mkdtemp(prefix="dflash-verify-cost-"))
     try:
         start = time.perf_counter()

@@ -85,7 +85,9 @@ class LogitChunks:
 
     def __call__(self, last_TH: torch.Tensor):
         weight = self.lm_head.weight
-        reuse = last_TH.device.type == "cpu" and weight.dtype == torch.float32 and self.lm_head.bias is None
+        # A plain CPU float32 matmul only: a tensor-parallel lm_head holds a DTensor and runs its own op.
+        reuse = (last_TH.device.type == "cpu" and weight.dtype == torch.float32 and self.lm_head.bias is None
+                 and type(weight.data) is torch.Tensor and type(last_TH) is torch.Tensor)
         if reuse and self._buffer is None:
             self._buffer = torch.empty(self.rows, weight.shape[0])
         for a in range(0, last_TH.shape[0], self.rows):

@@ -28,6 +28,30 @@ from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_tar
 from pipeline.transformers_internals import takes_mask
 
 
+def target_mismatch(target_dir: Path, run: Path) -> str | None:
+    """How the eval target differs from the one the drafter's training run recorded (its config.json
+    digest, and the weights the cache was extracted with), or None when it is the same or the run
+    recorded neither. Large checkpoints are compared by their safetensors headers and sizes
+    (pipeline.provenance.weight_digests), which tell other shapes apart but not other values."""
+    from pipeline.provenance import weight_digests
+
+    try:
+        record = json.loads(run.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    differs = []
+    if record.get("target_config_sha256") and record["target_config_sha256"] != read_target_facts(target_dir).config_sha256:
+        differs.append("config.json")
+    recorded = record.get("target_weights") or {}
+    if recorded.get("files"):
+        found = weight_digests(target_dir)
+        if found["method"] != recorded.get("method") or found["files"] != recorded["files"]:
+            names = sorted(n for n in set(found["files"]) | set(recorded["files"])
+                           if found["files"].get(n) != recorded["files"].get(n)) or ["weight files"]
+            differs.append(f"weights ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''})")
+    return " and ".join(differs) or None
+
+
 def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
     """(drafter export dir, the target its training run recorded): accepts RUN/ or RUN/drafter/."""
     path = Path(path)
@@ -150,7 +174,7 @@ def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
-             tree_verify: str = "tree", batch_size: int = 1) -> dict:
+             tree_verify: str = "tree", batch_size: int = 1, warn=None) -> dict:
     from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
 
@@ -165,6 +189,10 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     drafter_dir, recorded = resolve_drafter(drafter_path)
     target_dir = resolve_target(target, recorded)
     facts = read_target_facts(target_dir)
+    mismatch = target_mismatch(target_dir, Path(recorded.source)) if recorded else None
+    if mismatch and warn:
+        warn(f"the target {target_dir} is not the one this drafter was trained against ({recorded.source} recorded "
+             f"{recorded.path}): its {mismatch} differ; decoding stays lossless, but the drafts were learned for another model")
     embed, head = frozen_target_modules(target_dir, dtype_)
     drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).to(device_, dtype_).eval()
     c = drafter.config
@@ -216,9 +244,12 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     if cache is not None:
         extra["teacher_forced"] = teacher_forced(drafter, cache, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
     return {**extra,
-        "drafter": str(drafter_dir), "target": str(target_dir), "prompts": len(items), "block_size": block,
+        "drafter": str(drafter_dir), "target": str(target_dir),
+        "target_differs_from_training": mismatch,     # None: the same config and weights as the run recorded
+        "prompts": len(items), "block_size": block,
         "max_new_tokens": max_new_tokens,
-        "device": f"{device_} ({str(dtype_).removeprefix('torch.')})", "drafter_kv_cache": True,
+        "device": f"{device_} ({str(dtype_).removeprefix('torch.')})", "cpu_threads": torch.get_num_threads(),
+        "drafter_kv_cache": True,
         "tree_verify": tree_verify, "batch_size": batch_size,
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},

@@ -212,12 +212,13 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
     generated_by = {**backend.identity, "sampling": sampling}
     parts = Parts(out)
     parts.start({"data": [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths],
-                 "num_rows": num_rows, "num_shards": num_shards, "batch_size": batch_size, "generated_by": generated_by})
+                 "num_rows": num_rows, "num_shards": num_shards, "generated_by": generated_by})
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     selected = parse_shards(shards, num_shards)
     mine = assign_to_groups(selected, world, rank)
-    todo = [s for s in mine if parts.done(s) is None]
+    finished = parts.complete()     # a re-run of a finished output does nothing
+    todo = [] if finished else [s for s in mine if parts.done(s) is None]
     if on_total:
         on_total(sum(len(shard_rows(s, num_rows, num_shards)) for s in todo))
     totals = {"rows": 0, "rows_written": 0, "rows_skipped": 0, "turns_written": 0, "dropped_unfinished": 0,
@@ -237,11 +238,13 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
             progress(len(rows), tokens=counts["tokens"])
     seconds = time.perf_counter() - started
     assembled = parts.assemble(num_shards)
-    missing = [s for s in range(num_shards) if parts.done(s) is None]
+    missing = [] if assembled else [s for s in range(num_shards) if parts.done(s) is None]
     return {"out": str(out), "assembled": assembled, "num_rows": num_rows, "num_shards": num_shards,
             "shards_written": len(todo), "shards_already_done": len(mine) - len(todo), "shards_missing": missing[:20],
             "rank": rank, "world_size": world, "device": backend.device, "generated_by": generated_by, **totals,
             "skipped": [message for _, message in skipped[:20]],
+            "parts": (f"{parts.dir} keeps plan.json and complete.json only (the shards are in the output; a re-run "
+                      "recognises it)") if assembled else f"{parts.dir} holds the finished shards until all are done",
             "server_retries": getattr(backend, "failures", 0),
             "seconds": seconds, "rows_per_s": totals["rows"] / max(seconds, 1e-9),
             "tokens_per_s": totals["tokens"] / max(seconds, 1e-9)}

@@ -315,6 +315,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         _trim_log(out / "train_log.jsonl", step)
         write_json_atomic(out / "run.json", {
             "config": asdict(cfg), "target": str(target_dir), "target_config_sha256": facts.config_sha256,
+            "target_weights": manifest.identity.target.weights,   # the weights whose predictions the drafter learns
             "cache": str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "frozen_dtype": str(frozen_dtype).removeprefix("torch."), "loss_path": LOSS_PATH,

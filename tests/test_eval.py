@@ -149,15 +149,41 @@ def test_eval_tau_agrees_with_the_teacher_forced_estimate(full_eval):
 
 
 def test_eval_cli_json_and_a_bad_drafter(trained, tmp_path):
-    ok = cli("eval", "--drafter", str(trained), "--limit", "3", "--tree-budget", "4", "--json")
+    ok = cli("--threads", "1", "eval", "--drafter", str(trained), "--limit", "3", "--tree-budget", "4", "--json")
     assert ok.returncode == 0, ok.stderr
     result = json.loads(ok.stdout)
     assert result["prompts"] == 3 and result["lossless"] and set(result["tree"]) == {"4"}
     assert result["device"] == "cpu (float32)" and result["drafter_kv_cache"]  # auto without a GPU
+    assert result["cpu_threads"] == 1
+    zero = cli("--threads", "0", "eval", "--drafter", str(trained))
+    assert zero.returncode == 1 and "--threads must be 'auto' or an integer >= 1, got '0'" in zero.stderr
     bad = cli("eval", "--drafter", str(tmp_path))
     assert bad.returncode == 1 and f"{tmp_path}: not a drafter export" in bad.stderr
     big = cli("eval", "--drafter", str(trained), "--block-size", "32", "--limit", "1")
     assert big.returncode == 1 and "--block-size must be in 2..8" in big.stderr
+
+
+def test_eval_warns_when_the_target_is_not_the_one_trained_against(trained, tmp_path, embedded):
+    """Same shape, other weights: decoding stays lossless (so nothing else would show it); one
+    warning line naming the target and what differs, and the report records it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other-target"
+    shutil.copytree(embedded.TARGET_DIR, other)
+    weights = load_file(other / "model.safetensors")
+    name = next(k for k in sorted(weights) if k.endswith("mlp.down_proj.weight"))
+    weights[name] = weights[name] * 1.01
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    warnings = []
+    kwargs = dict(prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[], tree_top_k=8, limit=2,
+                  warn=warnings.append)
+    result = run_eval(trained, target=other, **kwargs)
+    assert result["lossless"] and result["target_differs_from_training"] == "weights (model.safetensors)", result
+    assert len(warnings) == 1 and str(other) in warnings[0] and "weights (model.safetensors)" in warnings[0], warnings
+    same = run_eval(trained, target=embedded.TARGET_DIR, **kwargs)
+    assert same["target_differs_from_training"] is None and len(warnings) == 1
 
 
 def test_eval_device_and_dtype_options(trained):

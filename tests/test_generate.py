@@ -126,6 +126,38 @@ def test_bad_input_and_mismatched_resume_are_one_line_errors(tmp_path, data, tra
             run_generate(data=[str(data)], out=tmp_path / "x.jsonl", **kwargs)
 
 
+def test_resume_ignores_how_the_work_ran_and_names_what_differs(tmp_path, data, reference):
+    """The resume plan compares what decides the output (data, shards, target, sampling), not the
+    batch size; a refusal names the field and both values; once OUT.jsonl is written the shard
+    files go (complete.json records the output) and a re-run does nothing."""
+    out = tmp_path / "resume.jsonl"
+    run_generate(data=[str(data)], out=out, shards="0", num_shards=3, max_new_tokens=96, batch_size=8)
+    with pytest.raises(PipelineError) as refused:
+        run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=32, batch_size=8)
+    assert "made with another generated_by.sampling.max_new_tokens (96 then, 32 now)" in str(refused.value)
+    summary = run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=3)
+    assert summary["shards_already_done"] == 1 and summary["shards_written"] == 2 and summary["assembled"]
+    assert out.read_bytes() == reference[0].read_bytes()
+    parts = Path(str(out) + ".parts")
+    assert sorted(p.name for p in parts.iterdir()) == ["complete.json", "plan.json"], list(parts.iterdir())
+    assert "keeps plan.json and complete.json only" in summary["parts"]
+    again = run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=16)
+    assert again["shards_written"] == 0 and again["assembled"] and again["rows"] == 0
+    assert out.read_bytes() == reference[0].read_bytes()
+
+
+def test_a_row_cut_short_is_reported_where_it_breaks(tmp_path, train_rows):
+    row = json.dumps(train_rows[0])
+    bad = tmp_path / "cut.jsonl"
+    bad.write_text(row + "\n" + row[:-2] + "\n")       # the second row lost its closing ]}
+    result = cli("generate", "--data", str(bad), "--out", str(tmp_path / "o.jsonl"))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    want = (f"{bad}:2: malformed JSON (Expecting ',' delimiter at column {len(row) - 1} of {len(row) - 2}, past the "
+            f"end of the line: the row looks cut short); the line starts {row[:40] + '...'!r}")
+    assert want in lines[0], lines[0]
+
+
 # ----------------------------------------------------------------- a real server: transformers serve
 
 def _free_port() -> int:
@@ -210,9 +242,11 @@ def test_a_server_killed_mid_run_is_a_clear_error_and_the_output_resumes(tmp_pat
         run_generate(data=[str(data)], out=out, server=url, num_shards=3, max_new_tokens=96)
     monkeypatch.setattr(Parts, "write", original_write)
     assert not out.exists() and Parts(out).done(0) is not None and Parts(out).done(1) is None
+    port = _free_port()        # restarted on another port, reached by another name: the same output
     server = _serve(port, serving)
     try:
-        summary = run_generate(data=[str(data)], out=out, server=url, num_shards=3, max_new_tokens=96)
+        summary = run_generate(data=[str(data)], out=out, server=f"http://localhost:{port}", num_shards=3,
+                               max_new_tokens=96)
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()

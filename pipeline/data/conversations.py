@@ -74,7 +74,18 @@ def _decode(where: str, raw: bytes):
     except UnicodeDecodeError as e:
         return PipelineError(f"{where}: not valid UTF-8 (byte {e.start})")
     except json.JSONDecodeError as e:
-        return PipelineError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+        return PipelineError(malformed_json(where, raw, e))
+
+
+def malformed_json(where: str, raw: bytes, error: json.JSONDecodeError) -> str:
+    """Where in its line a row's JSON breaks: the decoder's column within the line (a row cut short
+    breaks at its end, which the decoder reports after the newline, as column 1 of the next line),
+    and the line's first characters."""
+    line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    column = min(error.pos, len(line)) + 1
+    cut = ", past the end of the line: the row looks cut short" if column > len(line) else ""
+    start = line[:40] + ("..." if len(line) > 40 else "")
+    return f"{where}: malformed JSON ({error.msg} at column {column} of {len(line)}{cut}); the line starts {start!r}"
 
 
 @dataclass(frozen=True, kw_only=True)

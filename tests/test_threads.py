@@ -1,0 +1,43 @@
+"""`pipeline --threads`: an explicit count, OMP_NUM_THREADS, and `auto` on a machine whose cores
+other processes keep busy (real busy processes, the real /proc/stat)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.threads import busy_cores, choose_threads
+
+
+def test_an_explicit_count_and_bad_values():
+    assert choose_threads("3") == (3, "--threads")
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(PipelineError, match="--threads must be 'auto' or an integer >= 1"):
+            choose_threads(bad)
+
+
+def test_auto_keeps_omp_num_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert choose_threads("auto") == (torch.get_num_threads(), "OMP_NUM_THREADS")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: there is nothing fewer to choose")
+def test_auto_takes_fewer_threads_when_other_processes_fill_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        busy = busy_cores()
+        threads, why = choose_threads("auto")
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert busy is not None and busy > cores - 0.75, busy       # every core spinning
+    assert threads == 1 and "busy with other processes" in why, (threads, why)
