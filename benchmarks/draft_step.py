@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
+
 from pipeline.drafter.incremental import DraftContext  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from pipeline.speculative.decode import draft_logits  # noqa: E402
@@ -74,15 +76,8 @@ def main() -> None:
     if args.hidden < 1 or heads % kv_heads:
         parser.error(f"--hidden must be positive, with its max(2, hidden/64) query heads a multiple of its "
                      f"max(1, heads/4) KV heads (e.g. 128, 256, 1024), got {args.hidden}")
-    for name in ("layers", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    try:
-        contexts = [int(t) for t in args.contexts.split(",")]
-    except ValueError:
-        contexts = []
-    if not contexts or min(contexts) < 1:
-        parser.error(f"--contexts must be comma-separated positive integers, got {args.contexts!r}")
+    at_least_one(parser, args, "layers", "repeats")
+    contexts = positive_ints(parser, "--contexts", args.contexts)
     drafter = make_drafter(args.hidden, args.layers)
     rows = []
     for t in contexts:

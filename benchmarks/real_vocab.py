@@ -38,6 +38,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
+from benchmarks.cli_args import positive_ints  # noqa: E402
+
 MASK_ID = 248070   # Qwen3.6's reserved token the reference drafters use (DESIGN 2)
 
 
@@ -188,11 +190,8 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.fixtures / "tokenizers" / "qwen3.6").is_dir():
         parser.error(f"{args.fixtures}: no tokenizers/qwen3.6 folder (pass --fixtures)")
-    try:
-        lengths = [int(x) for x in args.lengths.split(",")]
-        batches = [int(x) for x in args.batches.split(",")]
-    except ValueError:
-        parser.error("--lengths and --batches take comma-separated integers")
+    lengths = positive_ints(parser, "--lengths", args.lengths)
+    batches = positive_ints(parser, "--batches", args.batches)
     args.work.mkdir(parents=True, exist_ok=True)
     target = build(args.work, args.fixtures)
     result = {"repo": str(args.repo), "target": str(target)}

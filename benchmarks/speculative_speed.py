@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
+
 from pipeline.speculative.batched import decode_rows  # noqa: E402
 from pipeline.speculative.decode import block_decode, greedy, tree_decode  # noqa: E402
 from pipeline.speculative.live_target import LiveTarget  # noqa: E402
@@ -208,17 +210,10 @@ def main() -> None:
             parser.error(f"--layers must be at least {max(TAPS) + 2} (taps fixed at {TAPS}), got {args.layers}")
         if args.vocab < 2:  # the oracle puts a wrong token first on a miss
             parser.error(f"--vocab must be at least 2, got {args.vocab}")
-    for name in ("prompts", "prompt_len", "max_new", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    at_least_one(parser, args, "prompts", "prompt_len", "max_new", "repeats")
     if not 0 <= args.accuracy <= 1:
         parser.error(f"--accuracy must be between 0 and 1, got {args.accuracy}")
-    try:
-        budgets = [int(b) for b in args.budgets.split(",")]
-    except ValueError:
-        budgets = []
-    if not budgets or min(budgets) < 1:
-        parser.error(f"--budgets must be comma-separated positive integers, got {args.budgets!r}")
+    budgets = positive_ints(parser, "--budgets", args.budgets)
 
     model = random_target(args.hidden, args.layers, args.vocab) if args.target == "random" else embedded_target()
     vocab = model.config.vocab_size
