@@ -37,11 +37,22 @@ def busy_cores(seconds: float = 0.2) -> float | None:
     return (after[0] - before[0]) / (after[1] - before[1]) * (os.cpu_count() or 1)
 
 
-def choose_threads(option: str | int) -> tuple[int, str]:
-    """(threads, why) for `--threads`: an integer >= 1, or 'auto'."""
+_TORCH_DEFAULT: list[int] = []   # torch's own count, read before this module first changes it
+
+
+def torch_default() -> int:
+    """torch's default thread count in this process (a later `auto` in the same process, e.g. the
+    CLI invoked in-process twice, starts from it again, not from the count an earlier call set)."""
     import torch
 
-    default = torch.get_num_threads()
+    if not _TORCH_DEFAULT:
+        _TORCH_DEFAULT.append(torch.get_num_threads())
+    return _TORCH_DEFAULT[0]
+
+
+def choose_threads(option: str | int) -> tuple[int, str]:
+    """(threads, why) for `--threads`: an integer >= 1, or 'auto'."""
+    default = torch_default()
     if str(option) != "auto":
         try:
             count = int(option)
@@ -65,6 +76,7 @@ def choose_threads(option: str | int) -> tuple[int, str]:
 def apply_threads(option: str | int) -> tuple[int, str]:
     import torch
 
+    torch_default()
     count, why = choose_threads(option)
     torch.set_num_threads(count)
     return count, why

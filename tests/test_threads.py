@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.threads import busy_cores, choose_threads
+from pipeline.threads import apply_threads, busy_cores, choose_threads, torch_default
 
 
 def test_an_explicit_count_and_bad_values():
@@ -22,7 +22,19 @@ def test_an_explicit_count_and_bad_values():
 
 def test_auto_keeps_omp_num_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert choose_threads("auto") == (torch.get_num_threads(), "OMP_NUM_THREADS")
+    assert choose_threads("auto") == (torch_default(), "OMP_NUM_THREADS")
+
+
+def test_a_later_auto_starts_from_torchs_default_again(monkeypatch):
+    """In one process (the CLI invoked in-process, tests), an explicit count does not become the
+    next `auto`'s ceiling."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")      # auto keeps the default; no sampling needed
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads("1")[0] == 1 and torch.get_num_threads() == 1
+        assert apply_threads("auto")[0] == torch_default() == before
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
