@@ -12,7 +12,40 @@ anything is returned.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+class Taps:
+    """The tapped decoder layers' outputs of one forward, by layer index."""
+
+    def __init__(self, taps: list[int]):
+        self.taps, self.outputs = list(taps), {}
+
+    def hook(self, index: int):
+        def keep(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def stacked(self) -> torch.Tensor:
+        """[batch, tokens, n_taps, H]."""
+        return torch.stack([self.outputs[t] for t in self.taps], dim=2)
+
+
+@contextlib.contextmanager
+def tapped_layers(model, taps: list[int], enabled: bool = True):
+    """Keep the outputs of the tapped decoder layers during a forward, and nothing else (forward
+    hooks: the output of layer i is `hidden_states[i + 1]`, DESIGN 3.1; `output_hidden_states`
+    would hold every layer's states). Used by extraction and by the live target in eval."""
+    captured = Taps(taps)
+    layers = model.model.layers
+    hooks = [layers[t].register_forward_hook(captured.hook(t)) for t in captured.taps] if enabled else []
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class Capture:
@@ -33,15 +66,9 @@ class Capture:
             ids[row, :len(sample)] = torch.tensor(sample)
         ids = ids.to(self.device)
 
-        captured: dict[int, torch.Tensor] = {}
-        layers = self.model.model.layers
-        hooks = [layers[t].register_forward_hook(self._keep(captured, t)) for t in self.taps]
-        try:
+        with tapped_layers(self.model, self.taps) as taps:
             last = self.model.model(input_ids=ids, use_cache=False).last_hidden_state
-        finally:
-            for h in hooks:
-                h.remove()
-        hidden_BTNH = torch.stack([captured[t] for t in self.taps], dim=2)
+        hidden_BTNH = taps.stacked()
 
         out = []
         for row, sample in enumerate(batch):
@@ -49,12 +76,6 @@ class Capture:
             stats = self._prediction_stats(last[row, :n])
             out.append({"hidden": hidden_BTNH[row, :n].cpu(), **{k: v.cpu() for k, v in stats.items()}})
         return out
-
-    @staticmethod
-    def _keep(store: dict, index: int):
-        def hook(module, args, output):
-            store[index] = output[0] if isinstance(output, tuple) else output
-        return hook
 
     def _prediction_stats(self, last_TH: torch.Tensor) -> dict[str, torch.Tensor]:
         ids, logits, lse = [], [], []

@@ -237,7 +237,7 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
         if progress:
             progress(len(rows), tokens=counts["tokens"])
     seconds = time.perf_counter() - started
-    assembled = parts.assemble(num_shards)
+    assembled = finished or parts.assemble(num_shards)   # `finished` has hashed the output already
     missing = [] if assembled else [s for s in range(num_shards) if parts.done(s) is None]
     return {"out": str(out), "assembled": assembled, "num_rows": num_rows, "num_shards": num_shards,
             "shards_written": len(todo), "shards_already_done": len(mine) - len(todo), "shards_missing": missing[:20],

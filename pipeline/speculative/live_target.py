@@ -25,13 +25,13 @@ each one.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 
 import torch
 
 from pipeline import transformers_internals as internals
+from pipeline.capture import tapped_layers
 
 
 @dataclass
@@ -64,19 +64,9 @@ class LiveTarget:
         self.tokens += ids.shape[1]
         return Step(out.logits[0].float(), taps.stacked()[0] if with_hidden else None, out.cache)
 
-    @contextlib.contextmanager
     def tapped(self, enabled: bool = True):
-        """Keep the outputs of the tapped decoder layers during a forward (forward hooks: the
-        output of layer i is `hidden_states[i + 1]`, DESIGN 3.1), and nothing else: asking the
-        model for `output_hidden_states` would hold every layer's states."""
-        taps = _Taps(self.taps)
-        layers = self.model.model.layers
-        hooks = [layers[t].register_forward_hook(taps.hook(t)) for t in self.taps] if enabled else []
-        try:
-            yield taps
-        finally:
-            for h in hooks:
-                h.remove()
+        """The tapped layers' outputs during a forward (pipeline/capture.py `tapped_layers`)."""
+        return tapped_layers(self.model, self.taps, enabled)
 
     @torch.no_grad()
     def verify(self, tokens: list[int], state, start: int, *, with_hidden: bool = True) -> Verified:
@@ -227,18 +217,3 @@ class TreeVerified:
     states: list[internals.TreeStepInputs]          # per linear-attention layer, its step inputs
     rows: Rows                                      # what the trees continued
 
-
-class _Taps:
-    """The tapped layers' outputs of one forward, by layer index."""
-
-    def __init__(self, taps: list[int]):
-        self.taps, self.outputs = taps, {}
-
-    def hook(self, index: int):
-        def keep(module, args, output):
-            self.outputs[index] = output[0] if isinstance(output, tuple) else output
-        return keep
-
-    def stacked(self) -> torch.Tensor:
-        """[batch, tokens, n, H]."""
-        return torch.stack([self.outputs[t] for t in self.taps], dim=2)
