@@ -71,7 +71,7 @@ def extract(
     config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[extract] table); default ./extract.toml if present, else the embedded default.")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target model directory (default: the embedded tiny target).")] = None,
     data: Annotated[Optional[list[str]], typer.Option(help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows. Repeatable.")] = None,
-    cache: Annotated[Optional[str], typer.Option(help="Cache directory to create or resume (default ./dflash-cache).")] = None,
+    cache: Annotated[Optional[str], typer.Option(help="Cache to create or resume: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")] = None,
     num_shards: Annotated[Optional[int], typer.Option(help="Fixed shard count of the cache (default 64).")] = None,
     layers: Annotated[Optional[str], typer.Option(help="Comma-separated 0-based decoder-layer taps (default: the target preset's).")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Target top-k ids/logits stored per token (default 32).")] = None,
@@ -84,6 +84,7 @@ def extract(
     generated_by: Annotated[Optional[str], typer.Option(help="Who wrote the responses (e.g. the target's name), recorded in the manifest for rows that do not say.")] = None,
     batch_tokens: Annotated[Optional[int], typer.Option(help="Forward batch budget in tokens, padding included.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,
+    shard_locks: Annotated[Optional[bool], typer.Option("--shard-locks/--no-shard-locks", help="In a cache directory, skip shards another process is writing (flock; default on). Off where flock does not work: commits stay safe without it.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the target once and write the sharded, checksummed hidden-state cache."""
@@ -94,7 +95,8 @@ def extract(
         config = Path("extract.toml")
     overrides = {"target": target, "data": data, "cache": cache, "num_shards": num_shards, "top_k": top_k,
                  "layers": _int_list(layers, "--layers"), "hidden_format": hidden_format, "max_length": max_length,
-                 "overlong": overlong, "on_error": on_error, "batch_tokens": batch_tokens, "tp": tp}
+                 "overlong": overlong, "on_error": on_error, "batch_tokens": batch_tokens, "tp": tp,
+                 "shard_locks": shard_locks}
     overrides.update({"reasoning": reasoning, "generated_by": generated_by})
     if thinking is not None:
         base = load_config(ExtractConfig, config, {}, section="extract").chat_template_kwargs
@@ -128,7 +130,7 @@ def _show_extract(summary: dict, json_out: bool) -> None:
 @app.command()
 @_user_errors
 def train(
-    cache: Annotated[Optional[str], typer.Option(help="Cache directory written by `pipeline extract` (default ./dflash-cache).")] = None,
+    cache: Annotated[Optional[str], typer.Option(help="Cache written by `pipeline extract`: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[train] table); options below override it; default ./train.toml if present.")] = None,
     preset: Annotated[Optional[str], typer.Option(help="Recipe from manifests/presets ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target directory for the frozen embedding and lm_head (default: the one the cache records).")] = None,
@@ -257,7 +259,7 @@ def eval_(
     tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'tree' (each node once: ancestor mask, per-node recurrent states) or 'paths' (root-to-leaf paths as batch rows; for attention implementations that take no mask).")] = "tree",
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them (each still checked against its own greedy run); worth it on a GPU.")] = 1,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
-    cache: Annotated[Optional[Path], typer.Option(help="A cache of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
+    cache: Annotated[Optional[str], typer.Option(help="A cache (directory or s3://BUCKET/PREFIX) of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
     device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Target and drafter dtype: 'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")] = "auto",
     json_out: JsonOpt = False,
@@ -396,7 +398,7 @@ def _show_report(result: dict) -> None:
 
 @app.command("verify-cache")
 def verify_cache(
-    cache: Annotated[Path, typer.Argument(help="Cache directory to verify.")],
+    cache: Annotated[str, typer.Argument(help="Cache to verify: a directory, file://PATH or s3://BUCKET/PREFIX.")],
     shards: Annotated[Optional[str], typer.Option(help="Only these shards, e.g. '0-7'.")] = None,
     target: Annotated[Optional[Path], typer.Option(help="Target directory (default: the one the manifest records, if present).")] = None,
     recompute: Annotated[int, typer.Option(help="Samples to re-run through --target from the embeddings and compare tap by tap: one of every shard, the longest and the truncated ones first, then random ones.")] = 0,

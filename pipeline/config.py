@@ -47,6 +47,10 @@ class ExtractConfig:
     # 0 (write inline) on CPU, where a concurrent writer thread slows the multi-threaded forward
     # by more than the writing costs (BENCHMARKS.md: 0.75 vs 0.95 of bare forward throughput).
     writer_queue: int | None = None
+    # In a cache directory, a second process skips a shard another one is writing (flock on
+    # .shard-NNNNN.lock). Correctness never depends on it (DESIGN 11: commit records); turn it
+    # off where flock hangs or is not supported. An object store has no locks.
+    shard_locks: bool = True
 
     def __post_init__(self):
         checks = [

@@ -1,9 +1,11 @@
 """Stage one, `pipeline extract`: run the target once and write the hidden-state cache.
 
-Per selected shard: take its lock (skip it if another process holds it), skip it if the
-manifest already lists it, else read and tokenize its rows, run the target over length-sorted
-batches, hand the results to a background writer (compression + disk off the forward path),
-commit the shard atomically, then list it in the manifest. Cost: one target forward per token,
+The cache is a directory or an object-store prefix (pipeline/cache/location.py). The manifest is
+created once (if absent; a later invocation must match its identity). Per selected shard: skip
+it if its commit record is there, take its lock in a directory (skip it if another process
+holds it), else read and tokenize its rows, run the target over length-sorted batches, hand the
+results to a background writer (compression + storage off the forward path), and commit the
+shard by writing its record last (DESIGN 11: no rename, no lock needed for correctness). Cost: one target forward per token,
 plus the logits top-k/logsumexp in token chunks.
 """
 
@@ -18,10 +20,12 @@ import numpy as np
 import torch
 
 from pipeline.cache.encoding import encode_bf16, encode_fp8
+from pipeline.cache.commit import shard_committed
 from pipeline.cache.files import FileLock
-from pipeline.cache.manifest import Identity, SourcesRecord, new_manifest, parse_identity, read_manifest, update_manifest
+from pipeline.cache.location import LocalLocation, Location, open_location
+from pipeline.cache.manifest import Identity, SourcesRecord, create_manifest, new_manifest, parse_identity
 from pipeline.cache.schema import SCHEMA_VERSION, Chunking, shard_lock_name, shard_name
-from pipeline.cache.writer import BackgroundWriter, ShardWriter
+from pipeline.cache.writer import AlreadyCommitted, BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
 from pipeline.data.conversations import index_rows, iter_rows, resolve_data
@@ -250,30 +254,26 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, prompt=masker.prompt(cfg.chat_template_kwargs),
                                target_dir=target_dir, taps=taps,
                                dataset=dataset, compute_dtype=compute)
-    cache_dir = Path(cfg.cache)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    location = open_location(cfg.cache)
     plan = {"assignment": "contiguous: shard s holds rows [s*N//S, (s+1)*N//S)", "num_rows": dataset["num_rows"],
             "num_shards": cfg.num_shards,
             "storage": chunking(cfg).geometry(cfg.hidden_format, cache_dims(cfg, facts, taps))}
-
-    def init(manifest):
-        if manifest is None:
-            return new_manifest(identity=identity, provenance=environment(), plan=plan, resolved_config=asdict(cfg),
-                                sources=SourcesRecord(target=str(target_dir), data=[str(p) for p in paths]))
-        conflicts = [d.arrow() for d in manifest.identity.differences(identity.flat(), complete=True)]
+    if layout.is_writer:
+        location.ensure_root()
+        manifest, created = create_manifest(location, new_manifest(
+            identity=identity, provenance=environment(), plan=plan, resolved_config=asdict(cfg),
+            sources=SourcesRecord(target=str(target_dir), data=[str(p) for p in paths])))
+        conflicts = [] if created else [d.arrow() for d in manifest.identity.differences(identity.flat(), complete=True)]
         if conflicts:
             shown = "; ".join(conflicts[:4]) + (f"; and {len(conflicts) - 4} more" if len(conflicts) > 4 else "")
-            raise PipelineError(f"{cache_dir}: was created with a different configuration ({shown}); "
+            raise PipelineError(f"{location.where()}: was created with a different configuration ({shown}); "
                                 "use another --cache or the original settings")
-        return manifest
-
-    if layout.is_writer:
-        update_manifest(cache_dir, init)
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
     run = _ShardRun(cfg=cfg, paths=paths, masker=masker, facts=facts, taps=taps, model=model, layout=layout,
-                    cache_dir=cache_dir, tp_plan=tp_plan, identity=identity.shard_identity(), index=dataset["index"],
+                    location=location, tp_plan=tp_plan, identity=identity.shard_identity(), index=dataset["index"],
                     capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
+    locks = cfg.shard_locks and isinstance(location, LocalLocation)
     bar = ProgressBar("extract", "samples", enabled=progress and layout.rank == 0,
                       total=sum(len(shard_rows(s, dataset["num_rows"], cfg.num_shards)) for s in mine))
     stream_start = time.perf_counter()
@@ -281,7 +281,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         try:
             for shard in mine:
                 rows = shard_rows(shard, dataset["num_rows"], cfg.num_shards)
-                state, lock = _claim(cache_dir, shard, layout)
+                state, lock = _claim(location, shard, layout, locks)
                 if state != "write":
                     skipped[state] += 1
                     bar.advance(len(rows))
@@ -291,7 +291,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
             run.close()
     stream_seconds = time.perf_counter() - stream_start
     seconds = time.perf_counter() - start
-    totals = {"shards_written": len(run.records), "shards_already_committed": skipped["committed"],
+    totals = {"shards_written": len(run.records),
+              "shards_already_committed": skipped["committed"] + run.committed_elsewhere,
               "shards_locked_elsewhere": skipped["locked"],
               "samples": sum(r["samples"] for r in run.records), "tokens": sum(r["tokens"] for r in run.records),
               "stored_bytes": sum(r["bytes"] for r in run.records)}
@@ -305,7 +306,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     raw_hidden = len(taps) * facts.hidden_size * 2
     tokens = max(totals["tokens"], 1)
     return {
-        "cache": str(cache_dir),
+        "cache": location.where(),
         "rank": layout.rank,
         "layout": layout.record(),
         "selected_shards": len(selected),
@@ -322,19 +323,26 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     }
 
 
-def _claim(cache_dir: Path, shard: int, layout: Layout) -> tuple[str, FileLock | None]:
-    """('write', held lock) | ('committed', None) | ('locked', None), decided by the group's writer."""
+def _claim(location: Location, shard: int, layout: Layout, locks: bool) -> tuple[str, FileLock | None]:
+    """('write', held lock or None) | ('committed', None) | ('locked', None), decided by the group's
+    writer. The lock only saves a second process the work (a directory where flock works): what
+    keeps the cache correct is the commit record, checked before and after taking it."""
     state, lock = "write", None
     if layout.is_writer:
         name = shard_name(shard)
-        if name in read_manifest(cache_dir).shards:
+        if shard_committed(location, name):
             state = "committed"
-        else:
-            lock = FileLock(cache_dir / shard_lock_name(shard))
-            if not lock.acquire(blocking=False):
+        elif locks:
+            lock = FileLock(location.root / shard_lock_name(shard))
+            try:
+                held = lock.acquire(blocking=False)
+            except OSError:  # no working flock on this mount (ENOLCK, EOPNOTSUPP): go on without
+                held, lock = True, None
+            if not held:
                 state, lock = "locked", None
-            elif name in read_manifest(cache_dir).shards:
-                lock.release()  # another process finished it between our two looks
+            elif shard_committed(location, name):
+                if lock is not None:
+                    lock.release()  # another process finished it between our two looks
                 state, lock = "committed", None
     return layout.broadcast_from_writer(state), lock
 
@@ -343,10 +351,11 @@ class _ShardRun:
     """Forward on this thread; encoding, compression, writing and the commit of each shard on one
     background thread, so shard k commits while shard k+1 runs through the target."""
 
-    def __init__(self, *, cfg, paths, masker, facts, taps, model, layout, cache_dir, tp_plan, identity, capture, index):
+    def __init__(self, *, cfg, paths, masker, facts, taps, model, layout, location, tp_plan, identity, capture, index):
         self.identity, self.index = identity, index
         self.cfg, self.paths, self.masker, self.facts, self.taps = cfg, paths, masker, facts, taps
-        self.model, self.layout, self.cache_dir, self.tp_plan, self.capture = model, layout, cache_dir, tp_plan, capture
+        self.model, self.layout, self.location, self.tp_plan, self.capture = model, layout, location, tp_plan, capture
+        self.committed_elsewhere = 0
         self.writer_queue = cfg.writer_queue if cfg.writer_queue is not None else (4 if torch.cuda.is_available() else 0)
         self.background = BackgroundWriter(depth=self.writer_queue) if layout.is_writer else None
         self.records: list[dict] = []
@@ -359,7 +368,7 @@ class _ShardRun:
                                 f"({counts}); fix the data or use fewer shards")
         writer = None
         if self.layout.is_writer:
-            writer = ShardWriter(self.cache_dir, shard, dims=cache_dims(cfg, self.facts, self.taps),
+            writer = ShardWriter(self.location, shard, dims=cache_dims(cfg, self.facts, self.taps),
                                  hidden_format=cfg.hidden_format, zstd_level=cfg.zstd_level, chunking=chunking(cfg),
                                  attrs={"schema_version": SCHEMA_VERSION, "row_range": [rows.start, rows.stop]},
                                  num_tokens=sum(len(s[1]) for s in samples))
@@ -385,19 +394,14 @@ class _ShardRun:
         failpoint("extract.encoded")
         return rows
 
-    def _commit(self, writer: ShardWriter, shard: int, lock: FileLock) -> None:
+    def _commit(self, writer: ShardWriter, shard: int, lock: FileLock | None) -> None:
         try:
-            record = writer.commit()
-            name = shard_name(shard)
-            try:
-                update_manifest(self.cache_dir, lambda m: m.with_shard(name, record))
-            except PipelineError as e:
-                raise PipelineError(f"{name}: written but not listed, so not committed: {e}; make room, then "
-                                    "re-run the same command to resume") from None
-            failpoint("extract.listed")  # listed, lock still held
-            self.records.append(record)
+            self.records.append(writer.commit())
+        except AlreadyCommitted:
+            self.committed_elsewhere += 1
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
 
     def close(self) -> None:
         if self.background is not None:

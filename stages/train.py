@@ -53,7 +53,7 @@ def match_preset(cache: str | Path) -> str | None:
     """The preset whose [target] (layers, hidden size, vocab) matches the cache's target."""
     from manifests import load_preset, preset_names
 
-    manifest = read_manifest(Path(cache))
+    manifest = read_manifest(cache)
     if manifest is None:
         return None
     for name in preset_names():

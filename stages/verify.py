@@ -26,6 +26,7 @@ from pipeline.cache.checks import (
     open_cache,
     sound_shards,
 )
+from pipeline.cache.location import open_location
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.model_checks import check_recompute, check_tail, stratified_picks
 from pipeline.cache.reader import CacheReader
@@ -75,7 +76,7 @@ def compute_placement(device: str, dtype: str) -> tuple[torch.device, torch.dtyp
     return chosen, getattr(torch, dtype if dtype != "auto" else ("bfloat16" if use_cuda else "float32"))
 
 
-def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
+def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
                tail_rate: float = 1.0, sample_rate: float = 1.0, seed: int = 0, device: str = "auto",
                dtype: str = "auto", progress: bool = False) -> dict:
     start = time.perf_counter()
@@ -86,12 +87,12 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
     if recompute < 0:
         raise PipelineError(f"--recompute must be >= 0, got {recompute}")
     placement = compute_placement(device, dtype)
+    location = open_location(cache_dir)
+    location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     try:
-        reader = open_cache(cache_dir)
+        reader = CacheReader(location)
     except PipelineError as e:
-        if not cache_dir.is_dir():
-            raise
-        return {"cache": str(cache_dir), "passed": False, "checks": [Check("manifest", False, str(e)).record()]}
+        return {"cache": location.where(), "passed": False, "checks": [Check("manifest", False, str(e)).record()]}
     selected = select_shards(reader, shards)
     checks = [Check("manifest", True, f"schema {reader.manifest.schema_version}, {len(reader.shards)} committed shards, "
                                       f"{len(selected)} selected")]
@@ -134,12 +135,12 @@ def run_verify(cache_dir: Path, *, shards: str | None = None, target: Path | Non
         checks.append(Check("loss_mask", True, f"skipped: {reason}", skipped=True))
     seconds = time.perf_counter() - start
     tokens = sum(reader.manifest.shards[s].tokens for s in selected)
-    return {"cache": str(cache_dir), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
+    return {"cache": location.where(), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "compute": compute,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def show_sample(cache_dir: Path, sample_id: int, target: Path | None) -> dict:
+def show_sample(cache_dir: str | Path, sample_id: int, target: Path | None) -> dict:
     """The sample as `--show` prints it: its tokens decoded one by one, each one's kind
     (reasoning, content, tool call, end of turn; '' = not supervised), loss mask and label (the
     target's argmax at the position before, DESIGN 3.2), and a one-line span summary."""

@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
+from pipeline.cache.location import open_location
 from pipeline.cache.files import digest_of_files
 from pipeline.cache.manifest import shard_claims, shard_field_name
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import DIGESTS, array_specs, inner_shape
-from pipeline.cache.store import hash_shard, read_digests
+from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.errors import PipelineError
 
 WINDOW_TOKENS = 1 << 18  # about 70 MB of per-token arrays at top-k 32
@@ -43,10 +44,9 @@ def sound_shards(reader: CacheReader, shards: list[str]):
     """(name, ShardReader) for the shards that exist and whose declared shapes match the manifest;
     the others are reported by check_structure and never read."""
     for name in shards:
-        if not (reader.dir / name).is_dir():
+        if not reader.present(name):
             continue
         try:
-            reader.files(name)  # no chunk may be a link (to /dev/zero, outside the cache)
             yield name, reader.shard(name)
         except PipelineError:
             continue
@@ -60,8 +60,7 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
                for spec in specs}
     for name in shards:
         record = reader.manifest.shards[name]
-        path = reader.dir / name
-        if not path.is_dir():
+        if not reader.present(name):
             problems.append(f"{name}: listed in the manifest but missing on disk")
             continue
         try:
@@ -93,24 +92,27 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
         for key in ("samples", "tokens", "row_range", "kernels", "identity"):
             if attrs.get(key) != getattr(record, key):
                 problems.append(f"{name}: shard attribute {key!r} disagrees with the manifest")
+    # A record that does not match its files leaves the shard uncommitted (redone by extract);
+    # verify names it rather than letting it pass as merely missing.
+    problems += [why for name, why in sorted(reader.manifest.broken.items())]
     return Check("structure", not problems,
                  f"{len(shards)} shards: counts, offsets, dtypes, shapes, chunking" + (f"; {len(problems)} problems" if problems else " as declared"),
                  {"problems": problems[:50]})
 
 
 def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Check:
-    """Re-hash every file from disk: each against the shard's digests.json (so a mismatch is named
-    by file), and the shard's digest derived from them against the manifest."""
+    """Re-hash every file where it lives (streamed; no local copy of a remote cache): each against
+    the shard's digests.json (so a mismatch is named by file), and the shard's digest derived from
+    them against its record."""
     if not enabled:
         return Check("digests", True, "skipped: --sample-rate < 1 reads only part of the cache", skipped=True)
     bad, files_checked = [], 0
     for name in shards:
-        path = reader.dir / name
-        if not path.is_dir():
+        if not reader.present(name):
             continue  # reported by check_structure
         try:
-            on_disk = hash_shard(path, reader.files(name))
-            listed = read_digests(path)
+            on_disk = hash_shard(reader.location, name, reader.listing)
+            listed = read_digests(reader.location, name)
         except PipelineError as e:
             bad.append(f"{name} ({e})")
             continue
@@ -366,7 +368,7 @@ class SampleList:
         if len(tokens):
             rows = np.unique(np.searchsorted(shard.offsets, tokens, side="right") - 1)
             for row in rows:
-                self.add(shard.path.name, int(shard.sample_ids[row]))
+                self.add(shard.name, int(shard.sample_ids[row]))
 
     def __bool__(self) -> bool:
         return self.count > 0
@@ -407,7 +409,7 @@ def check_provenance(reader: CacheReader, shards: list[str]) -> Check:
         "capture": asdict(capture)})
 
 
-def open_cache(cache_dir: Path) -> CacheReader:
-    if not cache_dir.is_dir():
-        raise PipelineError(f"{cache_dir}: no such cache directory")
-    return CacheReader(cache_dir)
+def open_cache(cache: str | Path) -> CacheReader:
+    location = open_location(cache)
+    location.check_reachable()
+    return CacheReader(location)

@@ -7,9 +7,12 @@ typed `Manifest` (unknown schema versions refused); every consumer reads its fie
 invocation), train (cache vs drafter, preset and target) and verify (shard vs cache, target vs
 cache).
 
-It is the commit marker: a shard exists for readers only once its entry is here. Updates are
-read-modify-write under `manifest.lock`, then an atomic replace, so concurrent extractors on
-one node (or on nodes sharing a filesystem with working flock) never lose each other's shards.
+Which shards are committed is derived from their commit records (pipeline/cache/commit.py):
+manifest.json itself is written once, when the cache is created, with a create-if-absent write,
+so any number of writers on any number of nodes share it without a lock and never overwrite one
+another (DESIGN 11). `read_manifest` returns the manifest with its committed shards filled in
+from the records. Caches written before that list their shards in manifest.json; those entries
+are still read.
 
 On disk (schema 2) the identity is stored under the key "config"; the key is kept so that
 schema-2 caches stay readable.
@@ -24,13 +27,12 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from pipeline.cache.files import FileLock, write_json_atomic
+from pipeline.cache.location import Location, open_location
 from pipeline.cache.schema import (
     FORMAT_NAME,
     MANIFEST,
-    MANIFEST_LOCK,
     MAX_SHARDS,
     SCHEMA_VERSION,
     Chunking,
@@ -268,7 +270,10 @@ class Manifest:
     shards: dict[str, ShardRecord]
     sources: SourcesRecord = field(default_factory=SourcesRecord)
     resolved_config: dict | None = None
+    commit_protocol: str | None = None   # absent in caches that list their shards in this file
     extra: dict = field(default_factory=dict)
+    # Not stored: shards whose commit record is there but does not match their files (why, by name).
+    broken: dict = field(default_factory=dict, metadata={"stored": False})
 
     def with_shard(self, name: str, record: ShardRecord | dict) -> Manifest:
         if isinstance(record, dict):
@@ -302,9 +307,10 @@ class Manifest:
 
 def new_manifest(*, identity: Identity, provenance: dict, plan: dict, sources: SourcesRecord,
                  resolved_config: dict | None = None) -> Manifest:
+    from pipeline.cache.commit import PROTOCOL
     return Manifest(format=FORMAT_NAME, schema_version=SCHEMA_VERSION, created=_now(), identity=identity,
                     provenance=provenance, plan=_parse(PlanRecord, plan, "plan."), shards={}, sources=sources,
-                    resolved_config=resolved_config)
+                    resolved_config=resolved_config, commit_protocol=PROTOCOL)
 
 
 def parse_identity(value: dict, where: str = "config.") -> Identity:
@@ -321,18 +327,32 @@ def describe_missing(found: dict) -> str:
 # --------------------------------------------------------------------------- read, validate, write
 
 
-def read_manifest(cache_dir: Path) -> Manifest | None:
-    path = cache_dir / MANIFEST
-    if not path.is_file():
+def read_manifest(cache: Location | str | Path, listing: dict[str, int] | None = None) -> Manifest | None:
+    """The manifest with its committed shards (None when the cache has no manifest.json yet).
+    `listing`: the whole cache's {key: size}, when the caller has it (else it is listed here)."""
+    location = cache if isinstance(cache, Location) else open_location(cache)
+    raw_bytes = location.read(MANIFEST)
+    if raw_bytes is None:
         return None
+    where = location.where(MANIFEST)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(raw_bytes.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PipelineError(f"{path}: not valid JSON ({e})") from None
-    return parse_manifest(raw, path)
+        raise PipelineError(f"{where}: not valid JSON ({e})") from None
+    manifest = parse_manifest(raw, where)
+    from pipeline.cache.commit import committed_shards
+    records, broken = committed_shards(location, location.listing() if listing is None else listing)
+    shards = dict(manifest.shards)
+    for name, record in records.items():
+        try:
+            shard_index(name)
+            shards[name] = _parse(ShardRecord, record, f"{name}/digests.json: shard.")
+        except _FieldError as e:
+            broken[name] = f"{location.where(name)}: {e}"
+    return replace(manifest, shards=shards, broken=broken)
 
 
-def parse_manifest(raw: Any, path: Path) -> Manifest:
+def parse_manifest(raw: Any, path: Path | str) -> Manifest:
     """Validate a manifest's JSON once: format, schema version, every field's type, shard names,
     declared sizes; errors name the file and the field."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
@@ -368,16 +388,17 @@ def parse_manifest(raw: Any, path: Path) -> Manifest:
     return manifest
 
 
-def update_manifest(cache_dir: Path, change: Callable[[Manifest | None], Manifest]) -> Manifest:
-    """Apply `change` to the current manifest (None if absent) under the lock; write the result."""
-    with FileLock(cache_dir / MANIFEST_LOCK):
-        # Only a holder of this lock writes a temporary manifest: any found now is from a
-        # process killed mid-update, and the manifest it meant to replace is still whole.
-        for stale in cache_dir.glob(f".{MANIFEST}.tmp-*"):
-            stale.unlink(missing_ok=True)
-        manifest = replace(change(read_manifest(cache_dir)), updated=_now())
-        write_json_atomic(cache_dir / MANIFEST, manifest.to_json())
-    return manifest
+def create_manifest(location: Location, manifest: Manifest) -> tuple[Manifest, bool]:
+    """(the cache's manifest, whether this call created it): `manifest` is written only where
+    none exists (a create-if-absent write: of concurrent creators exactly one wins); otherwise
+    the existing one is returned for the caller to compare."""
+    data = (json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n").encode()
+    if location.put_if_absent(MANIFEST, data):
+        return manifest, True
+    existing = read_manifest(location)
+    if existing is None:
+        raise PipelineError(f"{location.where(MANIFEST)}: exists but cannot be read back")
+    return existing, False
 
 
 # Resolved once per record class: a manifest has a record per shard, and resolving the
@@ -411,7 +432,7 @@ def _parse(tp: Any, value: Any, where: str) -> Any:
             raise _FieldError(f"field '{name}' must be a mapping, got {type(value).__name__}")
         hints, kwargs, known = _hints(tp), {}, set()
         for f in fields(tp):
-            if f.name == "extra":
+            if f.name == "extra" or f.metadata.get("stored") is False:
                 continue
             json_key = f.metadata.get("key", f.name)
             known.add(json_key)
@@ -447,7 +468,7 @@ def _dump(value: Any) -> Any:
     if is_dataclass(value):
         out = {}
         for f in fields(value):
-            if f.name == "extra":
+            if f.name == "extra" or f.metadata.get("stored") is False:
                 continue
             out[f.metadata.get("key", f.name)] = _dump(getattr(value, f.name))
         return {**out, **getattr(value, "extra", {})}

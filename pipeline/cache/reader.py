@@ -1,6 +1,8 @@
 """Read a cache: the manifest, committed shards, one sample's positions without decoding the shard.
 
-Only shards listed in the manifest are visible. Per-sample arrays (offsets, sample_id) are read
+The cache lives wherever its location says (a directory or an object store: pipeline/cache/
+location.py); it is listed once per reader. Only committed shards are visible, and only the
+files their records list are read. Per-sample arrays (offsets, sample_id) are read
 once per shard (16 bytes a sample); token arrays are read by range through `ShardedArray`, which
 decodes only the inner chunks that overlap it and verifies each one's CRC32C.
 """
@@ -14,7 +16,7 @@ import torch
 import zarr
 
 from pipeline.cache.encoding import decode_bf16, decode_fp8
-from pipeline.cache.files import link_refused, regular_files
+from pipeline.cache.location import Location, open_location
 from pipeline.cache.manifest import read_manifest
 from pipeline.cache.schema import array_specs, file_key, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
@@ -28,36 +30,31 @@ def expected_files(array, name: str) -> list[str]:
 
 
 class ShardReader:
-    def __init__(self, path: Path, hidden_format: str, *, chunk_cache_bytes: int = 0,
-                 expected: tuple[int, int] | None = None):
-        """`chunk_cache_bytes` > 0 keeps that many bytes of decoded inner chunks that a read
+    def __init__(self, location: Location, name: str, hidden_format: str, *, files: dict[str, int],
+                 chunk_cache_bytes: int = 0, expected: tuple[int, int] | None = None):
+        """`files`: {path relative to the shard: size} of its files, from the cache's listing.
+        `chunk_cache_bytes` > 0 keeps that many bytes of decoded inner chunks that a read
         covered only partly (least recently used dropped first): a shuffled pass over a shard
         then decodes (and CRC-checks) a chunk shared by neighbouring samples once, not once per
         sample. Chunks a read covers whole are decoded straight into its output."""
-        self.path = path
+        self.location, self.name = location, name
+        self.path = location.where(name)  # for messages
         self.hidden_format = hidden_format
+        self.files = files
         self.cache = ChunkCache(chunk_cache_bytes) if chunk_cache_bytes else None
         self._arrays: dict = {}
         self._sharded: dict[str, ShardedArray] = {}
-        if path.is_symlink():
-            raise link_refused(path)
         try:
-            # A cache is untrusted input: a link anywhere in the shard (to /dev/zero, outside the
-            # cache) is refused, never followed. A shard is a few files per array, so this is cheap.
-            present = {f.relative_to(path).as_posix() for f in regular_files(path)}
-        except OSError as e:
-            raise PipelineError(f"{path}: cannot open shard ({e.strerror})") from None
-        try:
-            self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
+            self.group = zarr.open_group(location.zarr_store(name, read_only=True), mode="r", zarr_format=3)
             if expected is not None:
                 self._check_declared_shapes(*expected)
-            self._check_files(present)
+            self._check_files(set(files))
             self.offsets = self.group["offsets"][:]
             self.sample_ids = self.group["sample_id"][:]
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001 - zarr raises many types; the message names the shard
-            raise PipelineError(f"{path}: cannot open shard ({type(e).__name__}: {e})") from None
+            raise PipelineError(f"{self.path}: cannot open shard ({type(e).__name__}: {e})") from None
         self.row_of = {int(s): i for i, s in enumerate(self.sample_ids)}
 
     def _check_declared_shapes(self, samples, tokens) -> None:
@@ -121,7 +118,8 @@ class ShardReader:
     def sharded(self, name: str) -> ShardedArray:
         """A token array's direct reader (see pipeline/cache/sharded.py)."""
         if name not in self._sharded:
-            self._sharded[name] = ShardedArray(self.array(name), self.path / name, name, self.cache)
+            self._sharded[name] = ShardedArray(self.array(name), self.location, self.name, name, self.files,
+                                               self.cache)
         return self._sharded[name]
 
     def read_range(self, name: str, a: int, b: int) -> np.ndarray:
@@ -160,30 +158,39 @@ class ShardReader:
 
 
 class CacheReader:
-    def __init__(self, cache_dir: str | Path):
-        self.dir = Path(cache_dir)
-        manifest = read_manifest(self.dir)
+    def __init__(self, cache: str | Path | Location):
+        self.location = cache if isinstance(cache, Location) else open_location(cache)
+        self.dir = self.location.where()  # for messages
+        self.listing = self.location.listing()  # every file with its size, listed once
+        manifest = read_manifest(self.location, self.listing)
         if manifest is None:
             raise PipelineError(f"{self.dir}: no manifest.json (not a cache, or no shard committed yet)")
         self.manifest = manifest  # validated on read (declared sizes bounded, chunking parsed)
         self.chunking = manifest.identity.capture.chunking()
         self.hidden_format = manifest.identity.capture.hidden_format
         self.shards = manifest.committed()
-        self._files: dict[str, list[Path]] = {}
+        self._by_shard: dict[str, dict[str, int]] = {}
+        for key, size in self.listing.items():
+            head, _, rel = key.partition("/")
+            if rel:
+                self._by_shard.setdefault(head, {})[rel] = size
 
-    def files(self, name: str) -> list[Path]:
-        """Every file of a shard, links and special files refused; walked once per reader."""
-        if name not in self._files:
-            self._files[name] = regular_files(self.dir / name)
-        return self._files[name]
+    def files(self, name: str) -> dict[str, int]:
+        """{path relative to the shard: size} of every file of a shard (links and special files
+        are refused when a directory is listed)."""
+        return self._by_shard.get(name, {})
+
+    def present(self, name: str) -> bool:
+        """Whether the shard has any file at all."""
+        return bool(self.files(name))
 
     def shard(self, name_or_index: str | int, *, chunk_cache_bytes: int = 0) -> ShardReader:
         name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
         if name not in self.manifest.shards:
             raise PipelineError(f"{self.dir}: {name} is not a committed shard")
         record = self.manifest.shards[name]
-        return ShardReader(self.dir / name, self.hidden_format, chunk_cache_bytes=chunk_cache_bytes,
-                           expected=(record.samples, record.tokens))
+        return ShardReader(self.location, name, self.hidden_format, files=self.files(name),
+                           chunk_cache_bytes=chunk_cache_bytes, expected=(record.samples, record.tokens))
 
     def find(self, sample_id: int) -> ShardReader:
         for name in self.shards:

@@ -1,15 +1,15 @@
 """The cache format, owned in one place (DESIGN 5).
 
-Layout of a cache directory:
+Layout of a cache (a directory, or a prefix of an object store: the same keys and bytes):
 
-    manifest.json            written last, atomically; lists committed shards (the commit marker)
-    manifest.lock            advisory lock for manifest read-modify-write
-    shard-00000/             one Zarr v3 group per shard, visible only once complete
-      digests.json           sha256 and size of every other file of the shard, written at commit
+    manifest.json            what the cache is (identity, provenance, plan); written once, if absent
+    shard-00000/             one Zarr v3 group per shard
       hidden/zarr.json       array metadata
       hidden/c.0.0.0         one file per FILE of tokens (Zarr v3 sharding; flat '.' chunk keys)
-    .shard-00000.tmp/        a shard being written (never read; removed on resume)
-    .shard-00000.lock        held while a process writes that shard
+      digests.json           the commit record, written last: size and sha256 of every other file
+                             of the shard, and the shard's record; the shard is committed iff it
+                             exists and matches (pipeline/cache/commit.py)
+    .shard-00000.lock        in a directory: held (flock, where it works) while a process writes it
 
 A shard is ragged and token-major: per-token arrays indexed by a global token position inside
 the shard, per-sample `offsets` [samples + 1] into them and stable `sample_id`s.
@@ -31,7 +31,6 @@ SCHEMA_VERSION = 2
 FORMAT_NAME = "dflash-hidden-state-cache"
 
 MANIFEST = "manifest.json"
-MANIFEST_LOCK = "manifest.lock"
 _SHARD_RE = re.compile(r"^shard-(\d{5})$")
 
 # Hard bounds checked before anything is allocated from what a manifest or shard declares.
@@ -58,10 +57,6 @@ def shard_index(name: str) -> int:
     if not m:
         raise ValueError(f"not a shard name: {name!r}")
     return int(m.group(1))
-
-
-def temp_shard_name(index: int) -> str:
-    return f".{shard_name(index)}.tmp"
 
 
 def shard_lock_name(index: int) -> str:

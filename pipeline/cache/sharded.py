@@ -5,8 +5,9 @@ its event loop and thread pool as zstd spends decoding it (BENCHMARKS.md, issue 
 GB/s of CPU time per core against zstd's 1.4). The format is public and small (Zarr v3
 `sharding_indexed`: an index of (offset, nbytes) pairs per inner chunk, CRC32C-checked, at the
 end of the file; each inner chunk a zstd frame followed by its CRC32C), so this module reads it
-directly: one pread per file per request, a CRC32C and one zstd call per inner chunk, decoded in
-place into the output. Only the exact codec chain the writer uses is accepted; anything else is
+directly: one pread per inner chunk from a directory (into a reused buffer), or one coalesced
+range request per file from an object store (`Location.read_ranges`: adjacent chunks become one
+request), a CRC32C and one zstd call per inner chunk, decoded in place into the output. Only the exact codec chain the writer uses is accepted; anything else is
 refused, never guessed. tests/test_cache_layout.py checks it against Zarr's own reader.
 """
 
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from pathlib import Path
 
 import google_crc32c
 import numpy as np
 from numcodecs import Zstd
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation, ZstdCodec
 
+from pipeline.cache.location import LocalLocation, Location
 from pipeline.cache.schema import file_key
 from pipeline.errors import PipelineError
 
@@ -88,8 +89,12 @@ class ChunkCache:
 class ShardedArray:
     """Token ranges [a, b) of one array stored with the sharding codec, decoded without Zarr."""
 
-    def __init__(self, array, directory: Path, name: str, cache: ChunkCache | None = None):
-        self.dir, self.name, self.cache = directory, name, cache
+    def __init__(self, array, location: Location, shard: str, name: str, files: dict[str, int],
+                 cache: ChunkCache | None = None):
+        """`files`: {path relative to the shard: size}, from the cache's listing."""
+        self.location, self.shard, self.name, self.files, self.cache = location, shard, name, files, cache
+        self.local = isinstance(location, LocalLocation)
+        directory = location.where(f"{shard}/{name}")
         codecs = array.metadata.codecs
         sharding = codecs[0] if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec) else None
         inner = [type(c) for c in sharding.codecs] if sharding else []
@@ -111,36 +116,37 @@ class ShardedArray:
         self.chunk_shape = (self.chunk_tokens, *self.shape[1:])
         self.chunk_bytes = int(np.prod(self.chunk_shape)) * self.dtype.itemsize
         self.ndim = len(self.shape)
-        self._index: dict[int, tuple[Path, np.ndarray]] = {}
+        self._index: dict[int, tuple[str, np.ndarray]] = {}
         self._zstd = Zstd()
         self._scratch = bytearray(0)
 
-    def file_path(self, f: int) -> Path:
-        return self.dir.parent / file_key(self.name, f, self.ndim)
+    def file_key(self, f: int) -> str:
+        """File f's key relative to the shard."""
+        return file_key(self.name, f, self.ndim)
 
-    def _file_index(self, f: int) -> tuple[Path, np.ndarray]:
-        """(path, [per_file, 2] offsets and sizes) of file f, read and checked once."""
+    def _file_index(self, f: int) -> tuple[str, np.ndarray]:
+        """(key, [per_file, 2] offsets and sizes) of file f, read and checked once."""
         if f not in self._index:
-            path = self.file_path(f)
+            rel = self.file_key(f)
+            key, where = f"{self.shard}/{rel}", self.location.where(f"{self.shard}/{rel}")
             index_bytes = self.per_file * 16 + 4
-            try:
-                with open(path, "rb") as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    if size < index_bytes:
-                        raise PipelineError(f"{path}: {size} bytes, shorter than its index ({index_bytes})")
-                    raw = os.pread(fh.fileno(), index_bytes, size - index_bytes)
-            except FileNotFoundError:
-                raise PipelineError(f"{path}: missing") from None
+            size = self.files.get(rel)
+            if size is None:
+                raise PipelineError(f"{where}: missing")
+            if size < index_bytes:
+                raise PipelineError(f"{where}: {size} bytes, shorter than its index ({index_bytes})")
+            (raw,) = self.location.read_ranges(key, [(size - index_bytes, size)])
+            raw = bytes(raw)
             body = np.frombuffer(raw, dtype=np.uint8)[:-4]
             if google_crc32c.value(body) != int.from_bytes(raw[-4:], "little"):
-                raise PipelineError(f"{path}: index CRC32C mismatch")
+                raise PipelineError(f"{where}: index CRC32C mismatch")
             index = body.view("<u8").reshape(self.per_file, 2)
             written = index[:, 0] != _EMPTY
             offsets, sizes = index[written, 0], index[written, 1]
             data_end = size - index_bytes  # compared before adding, so no uint64 sum can wrap around
             if np.any(offsets > data_end) or np.any(sizes > data_end - offsets) or np.any(sizes < 4):
-                raise PipelineError(f"{path}: index points outside the file's data")
-            self._index[f] = (path, index)
+                raise PipelineError(f"{where}: index points outside the file's data")
+            self._index[f] = (key, index)
         return self._index[f]
 
     def read(self, a: int, b: int) -> np.ndarray:
@@ -168,21 +174,39 @@ class ShardedArray:
                 todo.append(c)
         if not todo:
             return
-        path, index = self._file_index(f)
-        with open(path, "rb") as fh:
-            for c in todo:
-                offset, nbytes = (int(v) for v in index[c - f * self.per_file])
-                lo, hi = c * self.chunk_tokens, (c + 1) * self.chunk_tokens
-                whole = a <= lo and hi <= b
-                target = out[lo - a:hi - a] if whole else np.empty(self.chunk_shape, dtype=self.dtype)
-                if offset == _EMPTY:
-                    target[...] = self.fill_value
-                else:
-                    self._decode(path, c, self._pread(fh, offset, nbytes), target)
-                if not whole:
-                    if self.cache is not None:
-                        self.cache.put((self.name, c), target)
-                    self._place(target, c, a, b, out)
+        key, index = self._file_index(f)
+        where = self.location.where(key)
+        spans = [tuple(int(v) for v in index[c - f * self.per_file]) for c in todo]
+        for c, (offset, nbytes), encoded in zip(todo, spans, self._encoded(key, spans)):
+            lo, hi = c * self.chunk_tokens, (c + 1) * self.chunk_tokens
+            whole = a <= lo and hi <= b
+            target = out[lo - a:hi - a] if whole else np.empty(self.chunk_shape, dtype=self.dtype)
+            if offset == _EMPTY:
+                target[...] = self.fill_value
+            else:
+                self._decode(where, c, encoded, target)
+            if not whole:
+                if self.cache is not None:
+                    self.cache.put((self.name, c), target)
+                self._place(target, c, a, b, out)
+
+    def _encoded(self, key: str, spans: list[tuple[int, int]]):
+        """Each chunk's stored bytes, in order (None for a never-written chunk). From a directory:
+        one pread each into a reused buffer (valid until the next one). Remote: all of them in
+        one call, which coalesces adjacent ranges into one request."""
+        wanted = [(o, o + n) for o, n in spans if o != _EMPTY]
+        if not self.local:
+            parts = iter(self.location.read_ranges(key, wanted))
+            for offset, _ in spans:
+                yield None if offset == _EMPTY else np.frombuffer(next(parts), dtype=np.uint8)
+            return
+        try:
+            fh = open(self.location.path(key), "rb")
+        except FileNotFoundError:
+            raise PipelineError(f"{self.location.where(key)}: missing") from None
+        with fh:
+            for offset, nbytes in spans:
+                yield None if offset == _EMPTY else self._pread(fh, offset, nbytes)
 
     def _pread(self, fh, offset: int, nbytes: int) -> np.ndarray:
         """nbytes at offset, read into a reused buffer: no fresh allocation per chunk, and the
@@ -194,7 +218,7 @@ class ShardedArray:
             raise PipelineError(f"{fh.name}: truncated (wanted bytes {offset}..{offset + nbytes})")
         return np.frombuffer(view, dtype=np.uint8)
 
-    def _decode(self, path: Path, c: int, encoded: np.ndarray, target: np.ndarray) -> None:
+    def _decode(self, path: str, c: int, encoded: np.ndarray, target: np.ndarray) -> None:
         frame = encoded[:-4]
         if google_crc32c.value(frame) != int.from_bytes(encoded[-4:].tobytes(), "little"):
             raise PipelineError(f"{path}: inner chunk {c}: CRC32C mismatch")

@@ -1,12 +1,13 @@
-"""Write one shard: incremental, file-aligned, committed atomically.
+"""Write one shard: incremental, file-aligned, committed by its record (pipeline/cache/commit.py).
 
 Memory stays bounded by one file per token array (`Chunking.writer_buffer_bytes`, plus 16 bytes
 a sample): rows are copied into a file-sized buffer, and each file is written exactly once,
 whole, when its buffer is full (Zarr's sharding codec then never reads a file back to update
-it). `commit()` writes the per-sample arrays, the shard record and `digests.json` (size and
-sha256 of every file, hashed as it was written: nothing is re-read), fsyncs exactly the files
-and directories written, renames `.shard-NNNNN.tmp` to `shard-NNNNN` and returns the record the
-manifest will list. Until then nothing looks complete.
+it), straight into `shard-NNNNN/` of the cache's location (a directory or an object store).
+`commit()` writes the per-sample arrays, makes exactly the files written durable, then writes
+the commit record `digests.json` last, if absent (size and sha256 of every file, hashed as it
+was written: nothing is re-read; and the shard's record), and returns the record. Until that
+last write the shard is invisible to every reader; an earlier attempt's files are removed first.
 
 `BackgroundWriter` runs appends on a thread behind a bounded queue, so the forward pass never
 waits on compression or the disk unless the queue is full.
@@ -15,51 +16,68 @@ waits on compression or the disk unless the queue is full.
 from __future__ import annotations
 
 import functools
-import os
 import queue
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from pipeline.cache.files import describe_os_error, digest_of_files, fsync_dir
-from pipeline.cache.schema import (DIGESTS, FILE_KEY_SEPARATOR, Chunking, array_specs, inner_shape, shard_name,
-                                   temp_shard_name)
-from pipeline.cache.store import DigestingStore, write_digests
+from pipeline.cache.commit import DigestingStore, record_bytes
+from pipeline.cache.files import describe_os_error, digest_of_files
+from pipeline.cache.location import Location
+from pipeline.cache.schema import DIGESTS, FILE_KEY_SEPARATOR, Chunking, array_specs, inner_shape, shard_name
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 
 
+class AlreadyCommitted(PipelineError):
+    """Another writer committed this shard first (its record stands; this attempt's is dropped)."""
+
+
 def _storage_errors(method):
-    """A full disk, a quota or a file-size limit becomes one line naming the shard; the partial
-    shard is removed (it could never be listed, and its space may be what the user needs)."""
+    """A full disk, a quota, a file-size limit or a store that keeps failing becomes one line
+    naming the shard; the partial shard is removed where possible (it is invisible without its
+    record, and its space may be what the user needs)."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except OSError as e:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise PipelineError(f"{self.cache_dir / shard_name(self.index)}: write failed ({describe_os_error(e)}); "
-                                "the shard is not committed and the cache is consistent: make room, then re-run "
-                                "the same command to resume") from None
+        except (AlreadyCommitted, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - OSError from a disk, obstore's errors from a bucket
+            reason = describe_os_error(e) if isinstance(e, OSError) else str(e) if isinstance(e, PipelineError) \
+                else store_error(e)
+            if reason is None:
+                raise
+            try:
+                self.location.delete_prefix(self.prefix)
+            except Exception:  # noqa: BLE001 - the store may be what failed; the next run redoes it
+                pass
+            raise PipelineError(f"{self.location.where(shard_name(self.index))}: write failed ({reason}); "
+                                "the shard is not committed and the cache is consistent: fix the cause, then "
+                                "re-run the same command to resume") from None
     return wrapped
+
+
+def store_error(e: Exception) -> str | None:
+    """A one-line reason for an object-store client's error (None: not one of those)."""
+    if type(e).__module__.startswith("obstore"):
+        from pipeline.cache.object_store import describe_error
+        return describe_error(e)
+    return None
 
 
 class ShardWriter:
     @_storage_errors
-    def __init__(self, cache_dir: Path, index: int, *, dims: dict[str, int], hidden_format: str, num_tokens: int,
+    def __init__(self, location: Location, index: int, *, dims: dict[str, int], hidden_format: str, num_tokens: int,
                  zstd_level: int = 3, attrs: dict | None = None, chunking: Chunking | None = None):
         """num_tokens: the shard's final token count (the arrays are created at full size once)."""
-        self.cache_dir = Path(cache_dir)
-        self.index = index
-        self.tmp = self.cache_dir / temp_shard_name(index)  # set before anything can fail (see _storage_errors)
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)  # a crashed earlier attempt: redo, never append to it
-        self.store = DigestingStore(self.tmp)
+        self.location, self.index = location, index
+        self.prefix = f"{shard_name(index)}/"  # set before anything can fail (see _storage_errors)
+        location.delete_prefix(self.prefix)  # a crashed earlier attempt: redo, never append to it
+        self.store = DigestingStore(location.zarr_store(self.prefix, read_only=False))
         self.group = zarr.open_group(self.store, mode="w", zarr_format=3)
         self.attrs = dict(attrs or {})
         self.codecs = [ZstdCodec(level=zstd_level), Crc32cCodec()]
@@ -139,36 +157,18 @@ class ShardWriter:
         }
         self.group.attrs.update({"shard": shard_name(self.index), **record})
         files = dict(self.store.written)
-        listing = write_digests(self.tmp, files)
         synced = time.perf_counter()
-        self._fsync([*files, DIGESTS])
+        self.location.make_durable([self.prefix + key for key in files])
         self.fsync_seconds = time.perf_counter() - synced  # most of a commit: the disk catching up
         failpoint("writer.fsynced")
-        record["bytes"] = sum(size for size, _ in files.values()) + listing.stat().st_size
+        record["bytes"] = sum(size for size, _ in files.values())  # the files the record lists
         record["files"] = len(files) + 1
         record["digest"] = "sha256:" + digest_of_files(files)
-        final = self.cache_dir / shard_name(self.index)
-        if final.exists():
-            shutil.rmtree(final)  # an unlisted leftover of a run that died before the manifest update
-        os.replace(self.tmp, final)
-        fsync_dir(self.cache_dir)
-        failpoint("writer.renamed")  # committed on disk, not yet listed in the manifest
+        if not self.location.put_if_absent(self.prefix + DIGESTS, record_bytes(files, record)):
+            raise AlreadyCommitted(f"{self.location.where(shard_name(self.index))}: committed by another writer "
+                                   "meanwhile; its record stands")
+        failpoint("writer.committed")  # committed: every reader sees it from now on
         return record
-
-    def _fsync(self, files: list[str]) -> None:
-        """fsync exactly the files written and the directories that hold them, so the rename
-        that follows is durable."""
-        directories = {self.tmp}
-        for rel in files:
-            path = self.tmp / rel
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            directories.add(path.parent)
-        for directory in sorted(directories, key=lambda d: -len(d.parts)):
-            fsync_dir(directory)
 
 
 class BackgroundWriter:

@@ -1,0 +1,241 @@
+"""Where a cache lives: a local (or shared POSIX) directory, or an object-store prefix (DESIGN 11).
+
+A cache is addressed by a location string: a path, `file://PATH`, or `s3://BUCKET/PREFIX`.
+Everything the cache code does to storage goes through `Location`, with keys relative to the
+cache's root ('manifest.json', 'shard-00003/hidden/c.0.0.0'):
+
+- whole-object writes (`put`), and a create-if-absent write (`put_if_absent`), the only
+  primitive the commit protocol needs: no rename of a directory, no lock;
+- a recursive listing with sizes (`listing`), whole reads, range reads (`read_ranges`, adjacent
+  ranges coalesced by the backend), streaming reads for hashing (`stream`);
+- a Zarr store rooted at a key prefix (`zarr_store`), so writer and reader use Zarr on both.
+
+A directory still gets durable writes (fsync) and atomic small files (temporary + rename, which
+every POSIX filesystem has; `flock` is not needed). An object store write is atomic by nature.
+The object-store backend is in pipeline/cache/object_store.py (an optional extra).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Iterator
+
+from pipeline.cache.files import describe_os_error, fsync_dir
+from pipeline.errors import PipelineError
+
+STREAM_BLOCK = 1 << 22
+
+
+class Location:
+    """A cache's root. Subclasses implement the primitives; keys use '/' on every backend."""
+
+    url: str
+    remote: bool = False
+
+    def where(self, key: str = "") -> str:
+        """The location of `key` as a user would write it (for messages)."""
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+    def read(self, key: str) -> bytes | None:
+        """The whole object, or None when there is none."""
+        raise NotImplementedError
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        """[start, end) byte ranges of one object, in order."""
+        raise NotImplementedError
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in blocks (hashing without a local copy)."""
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write a whole object; readers see the old one or the new one, never a part."""
+        raise NotImplementedError
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create `key` with `data` unless it exists (then False, nothing written)."""
+        raise NotImplementedError
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        """{key: size} of every object under prefix (a key prefix ending in '/', or '')."""
+        raise NotImplementedError
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object under prefix ('shard-00003/')."""
+        raise NotImplementedError
+
+    def exists(self) -> bool:
+        """Whether anything is stored at the root."""
+        return bool(self.listing())
+
+    def map(self, fn, items: list) -> list:
+        """fn over items, in order (a remote location keeps several requests in flight)."""
+        return [fn(x) for x in items]
+
+    def zarr_store(self, prefix: str, *, read_only: bool):
+        """A Zarr v3 store whose keys are under `prefix`."""
+        raise NotImplementedError
+
+    def make_durable(self, keys: list[str]) -> None:
+        """Written objects survive a power loss once this returns (a no-op where a write already does)."""
+
+    def ensure_root(self) -> None:
+        """Create the root if the backend has such a thing; fail in one line if it cannot be written."""
+
+    def check_reachable(self) -> None:
+        """Fail in one line when there is nothing to read: no such directory, no such bucket,
+        refused credentials, nothing listening at the endpoint."""
+
+
+class LocalLocation(Location):
+    def __init__(self, root: Path, url: str | None = None):
+        self.root = Path(root)
+        self.url = url or str(root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    def read(self, key: str) -> bytes | None:
+        path = self.path(key)
+        if path.is_symlink():
+            raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            raise PipelineError(f"{path}: is a directory") from None
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        path = self.path(key)
+        out = []
+        try:
+            with open(path, "rb") as fh:
+                for start, end in ranges:
+                    buffer = bytearray(end - start)
+                    if os.preadv(fh.fileno(), [buffer], start) != end - start:
+                        raise PipelineError(f"{path}: truncated (wanted bytes {start}..{end})")
+                    out.append(memoryview(buffer))
+        except FileNotFoundError:
+            raise PipelineError(f"{path}: missing") from None
+        return out
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        with open(self.path(key), "rb") as f:
+            while block := f.read(STREAM_BLOCK):
+                yield block
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_synced(tmp, data)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PipelineError(f"{path}: write failed ({describe_os_error(e)})") from None
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """A hard link of a finished temporary: atomic, and refused when the name exists, on
+        every POSIX filesystem including NFS (no flock involved)."""
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_synced(tmp, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            fsync_dir(path.parent)
+            return True
+        except OSError as e:
+            raise PipelineError(f"{path}: write failed ({describe_os_error(e)})") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def _write_synced(path: Path, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        """Regular files only: a cache is untrusted input, so a symbolic link (to /dev/zero,
+        outside the cache) or any other special entry is refused, never followed. Temporaries of
+        small-file writes ('.name.tmp-PID') are not objects."""
+        base = self.path(prefix.rstrip("/"))
+        found: dict[str, int] = {}
+        if not base.is_dir():
+            return found
+        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+            for name in dirnames + filenames:
+                path = Path(dirpath) / name
+                mode = path.lstat().st_mode
+                if stat.S_ISLNK(mode):
+                    raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
+                if name in filenames:
+                    if not stat.S_ISREG(mode):
+                        raise PipelineError(f"{path}: is not a regular file")
+                    if name.startswith(".") and ".tmp-" in name:
+                        continue
+                    found[path.relative_to(self.root).as_posix()] = path.lstat().st_size
+        return dict(sorted(found.items()))
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self.path(prefix.rstrip("/")), ignore_errors=True)
+
+    def exists(self) -> bool:
+        return self.root.is_dir() and any(self.root.iterdir())
+
+    def zarr_store(self, prefix: str, *, read_only: bool):
+        from zarr.storage import LocalStore
+        return LocalStore(self.path(prefix.rstrip("/")), read_only=read_only)
+
+    def make_durable(self, keys: list[str]) -> None:
+        """fsync exactly these files and the directories that hold them (deepest first)."""
+        directories = set()
+        for key in keys:
+            path = self.path(key)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            directories.add(path.parent)
+        for directory in sorted(directories, key=lambda d: -len(d.parts)):
+            fsync_dir(directory)
+
+    def check_reachable(self) -> None:
+        if not self.root.is_dir():
+            raise PipelineError(f"{self.url}: no such cache directory")
+
+    def ensure_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PipelineError(f"{self.root}: cannot create the cache directory ({describe_os_error(e)})") from None
+        if not os.access(self.root, os.W_OK):
+            raise PipelineError(f"{self.root}: {os.strerror(errno.EACCES).lower()}")
+
+
+def open_location(url: str | Path) -> Location:
+    """A location from what the user wrote: a path, file://PATH or s3://BUCKET/PREFIX."""
+    text = str(url)
+    if text.startswith("s3://"):
+        from pipeline.cache.object_store import S3Location
+        return S3Location.from_url(text)
+    if text.startswith("file://"):
+        return LocalLocation(Path(text[len("file://"):]), url=text)
+    scheme = text.split("://", 1)[0] if "://" in text else ""
+    if scheme and scheme.replace("+", "").replace("-", "").isalnum():
+        raise PipelineError(f"{text}: unsupported cache location scheme {scheme!r} (a path, file://PATH or "
+                            "s3://BUCKET/PREFIX)")
+    return LocalLocation(Path(text))

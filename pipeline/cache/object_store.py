@@ -1,0 +1,209 @@
+"""Caches in S3 or an S3-compatible store, through obstore (the optional `[s3]` extra).
+
+Why obstore (Zarr 3's `ObjectStore`) rather than s3fs (`FsspecStore`): one Rust wheel with no
+botocore / aiohttp stack under it; many requests in flight from one Python thread without the
+GIL; `get_ranges` coalesces adjacent byte ranges of one object into one request; and it exposes
+S3's conditional writes (If-None-Match on create), which the commit protocol is built on.
+
+Credentials and endpoint come from the standard places: the AWS_* environment variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL),
+then the profile (AWS_PROFILE, else 'default') of the shared credentials and config files
+(AWS_SHARED_CREDENTIALS_FILE / AWS_CONFIG_FILE, default ~/.aws/). No message ever prints a
+secret: errors name the bucket, the key and the server's error code only.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
+
+from pipeline.cache.location import STREAM_BLOCK, Location
+from pipeline.errors import PipelineError
+
+EXTRA_HINT = 'S3 caches need the optional extra: pip install "dflash-pipeline[s3]" (obstore)'
+# How long one request is retried (with backoff) before the command gives up in one line.
+RETRY_SECONDS_ENV = "DFLASH_S3_RETRY_SECONDS"
+MAX_IN_FLIGHT = 32
+
+
+def _obstore():
+    try:
+        import obstore
+        import obstore.store
+    except ImportError:
+        raise PipelineError(EXTRA_HINT) from None
+    return obstore
+
+
+def _profile_settings() -> dict[str, str]:
+    """The active profile's settings from the shared credentials and config files."""
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    home = Path.home() / ".aws"
+    found: dict[str, str] = {}
+    sources = [(os.environ.get("AWS_CONFIG_FILE") or home / "config", "default" if profile == "default" else f"profile {profile}"),
+               (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or home / "credentials", profile)]
+    for path, section in sources:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(path, encoding="utf-8")
+        except (OSError, configparser.Error) as e:
+            raise PipelineError(f"{path}: unreadable AWS settings file ({type(e).__name__})") from None
+        if parser.has_section(section):
+            found.update(parser.items(section))
+    return found
+
+
+def client_config() -> dict[str, str]:
+    """obstore S3 settings for what the environment does not set itself (obstore reads AWS_*)."""
+    env = os.environ
+    profile = {} if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_ENDPOINT_URL") else _profile_settings()
+    config: dict[str, str] = {}
+    if not env.get("AWS_ACCESS_KEY_ID"):
+        for ours, theirs in (("access_key_id", "aws_access_key_id"), ("secret_access_key", "aws_secret_access_key"),
+                             ("token", "aws_session_token")):
+            if profile.get(theirs):
+                config[ours] = profile[theirs]
+    if not (env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")):
+        config["region"] = profile.get("region", "us-east-1")
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or profile.get("endpoint_url")
+    if endpoint:
+        config["endpoint"] = endpoint
+        if endpoint.startswith("http://"):
+            config["allow_http"] = "true"
+    return config
+
+
+def describe_error(e: Exception) -> str:
+    """A short, secret-free reason from an obstore error."""
+    text = str(e)
+    code = re.search(r"<Code>([^<]+)</Code>", text)
+    status = re.search(r"non-2xx status code: (\d{3} [A-Za-z ]+)", text)
+    if code:
+        return f"{code.group(1)} ({status.group(1).strip()})" if status else code.group(1)
+    if "error sending request" in text or "Connection refused" in text or "dns error" in text:
+        return "cannot reach the endpoint (is it running? AWS_ENDPOINT_URL)"
+    if status:
+        return status.group(1).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return first[:200]
+
+
+class S3Location(Location):
+    remote = True
+
+    def __init__(self, bucket: str, prefix: str, url: str):
+        obstore = _obstore()
+        self.bucket, self.prefix, self.url = bucket, prefix.strip("/"), url
+        seconds = float(os.environ.get(RETRY_SECONDS_ENV, "60"))
+        self._config = client_config()
+        self._retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=seconds),
+                       "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
+                                   "base": 2}}
+        self.store = self._make_store(self.prefix)
+        self._obstore = obstore
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _make_store(self, prefix: str):
+        import obstore.store
+        return obstore.store.S3Store(self.bucket, prefix=prefix or None, config=self._config,
+                                     retry_config=self._retry, client_options={"connect_timeout": "5s", "timeout": "120s"})
+
+    @classmethod
+    def from_url(cls, url: str) -> "S3Location":
+        rest = url[len("s3://"):]
+        bucket, _, prefix = rest.partition("/")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket or ""):
+            raise PipelineError(f"{url}: {bucket!r} is not a valid S3 bucket name")
+        return cls(bucket, prefix, url.rstrip("/"))
+
+    def _fail(self, what: str, key: str, e: Exception) -> PipelineError:
+        return PipelineError(f"{self.where(key)}: {what} failed: {describe_error(e)}")
+
+    def _call(self, what: str, key: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PipelineError:
+            raise
+        except Exception as e:  # noqa: BLE001 - obstore raises its own hierarchy; one line for all
+            raise self._fail(what, key, e) from None
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return bytes(self._obstore.get(self.store, key).bytes())
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError) as e:
+            if "NoSuchBucket" in str(e):
+                raise self._fail("read", key, e) from None
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("read", key, e) from None
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        if not ranges:
+            return []
+        parts = self._call("range read", key, self._obstore.get_ranges, self.store, key,
+                           starts=[a for a, _ in ranges], ends=[b for _, b in ranges])
+        return [memoryview(p) for p in parts]
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        result = self._call("read", key, self._obstore.get, self.store, key)
+        try:
+            for block in result.stream(min_chunk_size=STREAM_BLOCK):
+                yield bytes(block)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("read", key, e) from None
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("write", key, self._obstore.put, self.store, key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """S3's conditional PUT (If-None-Match: *): the store decides, for every writer at once."""
+        try:
+            self._obstore.put(self.store, key, data, mode="create")
+            return True
+        except self._obstore.exceptions.AlreadyExistsError:
+            return False
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("write", key, e) from None
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        found = {}
+        try:
+            for page in self._obstore.list(self.store, prefix or None, chunk_size=1000):
+                for meta in page:
+                    found[meta["path"]] = int(meta["size"])
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("listing", prefix, e) from None
+        return dict(sorted(found.items()))
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = list(self.listing(prefix))
+        for i in range(0, len(keys), 1000):
+            self._call("delete", prefix, self._obstore.delete, self.store, keys[i:i + 1000])
+
+    def zarr_store(self, prefix: str, *, read_only: bool):
+        from zarr.storage import ObjectStore
+        inner = "/".join(p for p in (self.prefix, prefix.strip("/")) if p)
+        return ObjectStore(self._make_store(inner), read_only=read_only)
+
+    def ensure_root(self) -> None:
+        """Fails in one line on a missing bucket, refused credentials or an unreachable endpoint."""
+        self.check_reachable()
+
+    def check_reachable(self) -> None:
+        try:
+            next(iter(self._obstore.list(self.store, None, chunk_size=1)), None)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("listing", "", e) from None
+
+    def map(self, fn, items: list) -> list:
+        """fn over items with a bounded number of requests in flight (order kept)."""
+        if len(items) <= 1:
+            return [fn(x) for x in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="s3")
+        return list(self._pool.map(fn, items))
