@@ -31,7 +31,7 @@ from pipeline.cache.manifest import describe_missing
 from pipeline.cache.model_checks import check_recompute, check_tail, stratified_picks
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sample_checks import check_loss_masks, check_mask_boundaries
-from pipeline.cache.schema import shard_name
+from pipeline.cache.schema import shard_index, shard_name
 from pipeline.data.loss_mask import token_kinds
 from pipeline.data.shard_plan import parse_shards
 from pipeline.errors import PipelineError
@@ -39,11 +39,14 @@ from pipeline.target import identity_claims, load_model, load_tokenizer, resolve
 from pipeline.ui import ProgressBar
 
 
-def select_shards(reader: CacheReader, spec: str | None) -> list[str]:
+def select_shards(reader: CacheReader, spec: str | None, *, broken: bool = False) -> list[str]:
+    """Committed shards (`broken`: also those whose commit record does not match their files,
+    for the structure and digest checks to name what is wrong with them)."""
+    names = sorted({*reader.shards, *(reader.manifest.broken if broken else ())}, key=shard_index)
     if spec is None:
-        return reader.shards
+        return names
     wanted = {shard_name(i) for i in parse_shards(spec, reader.manifest.identity.num_shards)}
-    return [s for s in reader.shards if s in wanted]
+    return [s for s in names if s in wanted]
 
 
 def check_completeness(reader: CacheReader, spec: str | None) -> Check:
@@ -97,8 +100,9 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
     checks = [Check("manifest", True, f"schema {reader.manifest.schema_version}, {len(reader.shards)} committed shards, "
                                       f"{len(selected)} selected")]
     checks.append(check_completeness(reader, shards))
-    checks.append(check_structure(reader, selected))
-    checks.append(check_digests(reader, selected, sample_rate >= 1.0))
+    with_broken = select_shards(reader, shards, broken=True)
+    checks.append(check_structure(reader, with_broken))
+    checks.append(check_digests(reader, with_broken, sample_rate >= 1.0))
     with ProgressBar("verify chunks", "shards", total=len(selected), enabled=progress) as bar:
         checks.extend(check_chunks(reader, selected, sample_rate, seed, lambda: bar.advance(1)))
     checks.extend(check_alignment(reader, selected))

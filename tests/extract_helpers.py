@@ -22,8 +22,17 @@ ARRAYS = ("input_ids", "loss_mask", "target_argmax", "target_topk_ids", "target_
 
 
 def manifest_json(cache: Path) -> dict:
-    """The manifest as stored on disk (read without the tool's own parser)."""
-    return json.loads((Path(cache) / "manifest.json").read_text())
+    """The manifest as stored on disk, with "shards" as the commit protocol defines them (DESIGN 11:
+    each shard whose digests.json holds a shard record and whose listed files are there with
+    those sizes), read without the tool's own parser."""
+    manifest = json.loads((Path(cache) / "manifest.json").read_text())
+    for record_path in sorted(Path(cache).glob("shard-*/digests.json")):
+        listing = json.loads(record_path.read_text())
+        files_ok = all((record_path.parent / rel).is_file() and (record_path.parent / rel).stat().st_size == f["bytes"]
+                       for rel, f in listing["files"].items())
+        if "shard" in listing and files_ok:
+            manifest["shards"][record_path.parent.name] = listing["shard"]
+    return manifest
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
@@ -116,21 +125,26 @@ def in_namespace(script: str, out: Path) -> None:
 def shard_digest(shard_dir: Path) -> str:
     """The digest of a shard as it is on disk, derived from its files' bytes."""
     from pipeline.cache.files import digest_of_files
-    from pipeline.cache.store import hash_shard
 
-    return "sha256:" + digest_of_files(hash_shard(shard_dir))
+    return "sha256:" + digest_of_files(hash_files_on_disk(shard_dir))
+
+
+def hash_files_on_disk(shard_dir: Path) -> dict:
+    """{relative path: (size, sha256)} of every file of a shard but digests.json, from disk."""
+    import hashlib
+
+    return {p.relative_to(shard_dir).as_posix(): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(shard_dir.rglob("*")) if p.is_file() and p.name != "digests.json"}
 
 
 def resign(cache: Path, name: str) -> None:
     """Make a deliberately edited shard's digests (digests.json and the manifest) match its bytes
     again, so a test reaches the check it is about instead of stopping at the digest check."""
-    import json
-
+    from pipeline.cache.commit import record_bytes
     from pipeline.cache.files import digest_of_files
-    from pipeline.cache.store import hash_shard, write_digests
 
-    files = hash_shard(cache / name)
-    write_digests(cache / name, files)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["shards"][name]["digest"] = "sha256:" + digest_of_files(files)
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    files = hash_files_on_disk(cache / name)
+    path = cache / name / "digests.json"
+    shard = json.loads(path.read_text())["shard"]
+    shard.update(digest="sha256:" + digest_of_files(files), bytes=sum(size for size, _ in files.values()))
+    path.write_bytes(record_bytes(files, shard))

@@ -12,10 +12,11 @@ import pytest
 import zarr
 from numcodecs import Zstd
 
-from extract_helpers import cli, shard_digest, write_rows
+from extract_helpers import cli, hash_files_on_disk, manifest_json, shard_digest, write_rows
+from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.cache.files import regular_files
-from pipeline.cache.reader import CacheReader
-from pipeline.cache.store import hash_shard, read_digests
+from pipeline.cache.location import open_location
+from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import Chunking, array_specs, per_shard_files
 from pipeline.cache.sharded import frame_content_size
 from pipeline.config import ExtractConfig
@@ -65,7 +66,7 @@ def test_direct_reader_equals_zarrs_reader(request, fmt):
 
 
 def test_files_on_disk_match_the_schema_formula(cache):
-    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest = manifest_json(cache)
     capture = manifest["config"]["capture"]
     dims = {"n_taps": len(capture["target_layer_ids"]), "hidden_size": capture["hidden_size"], "top_k": capture["top_k"]}
     chunking = Chunking.from_options(SMALL)
@@ -81,12 +82,12 @@ def test_files_on_disk_match_the_schema_formula(cache):
 
 def test_digests_written_while_writing_equal_the_bytes_on_disk(cache):
     """The writer never re-reads a file; what it hashed on the way out must be what is on disk."""
-    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest = manifest_json(cache)
     for name, record in manifest["shards"].items():
-        on_disk = hash_shard(cache / name)
-        assert read_digests(cache / name) == on_disk
+        on_disk = hash_files_on_disk(cache / name)
+        assert read_digests(open_location(cache), name) == on_disk == hash_shard(open_location(cache), name)
         assert shard_digest(cache / name) == record["digest"]
-        assert record["bytes"] == sum(p.stat().st_size for p in regular_files(cache / name))
+        assert record["bytes"] == sum(p.stat().st_size for p in regular_files(cache / name) if p.name != "digests.json")
 
 
 def test_zstd_frame_content_size_is_read_from_the_header():
@@ -125,31 +126,41 @@ def test_damage_is_named_by_file_and_chunk(copy, where):
 
 
 def test_a_truncated_file_is_refused(copy):
+    """The commit record no longer matches, so the shard is not committed, and says why; the
+    direct reader refuses the short file too (a cache that lists shards in its manifest)."""
     target = copy / "shard-00000" / "input_ids" / "c.0"
     os.truncate(target, 10)
-    shard = CacheReader(copy).shard("shard-00000")
+    reader = CacheReader(copy)
+    assert "shard-00000" not in reader.shards
+    with pytest.raises(PipelineError, match=r"shard-00000 is not committed: .*its commit record does not match its "
+                                            r"files \(input_ids/c.0 is 10 bytes, the record says \d+\)"):
+        reader.shard("shard-00000")
+    shard = ShardReader(reader.location, "shard-00000", reader.hidden_format, files=reader.files("shard-00000"))
     with pytest.raises(PipelineError, match=f"{target}: 10 bytes, shorter than its index"):
         shard.read("input_ids", int(shard.sample_ids[0]))
 
 
 def test_a_missing_file_is_named_when_the_shard_opens(copy):
     (copy / "shard-00000" / "loss_mask" / "c.1").unlink()
+    reader = CacheReader(copy)
+    with pytest.raises(PipelineError, match=r"shard-00000 is not committed: .*loss_mask/c.1 is listed but missing"):
+        reader.shard("shard-00000")
     with pytest.raises(PipelineError, match=r"shard-00000/loss_mask: chunk file\(s\) \[1\] missing of"):
-        CacheReader(copy).shard("shard-00000")
+        ShardReader(reader.location, "shard-00000", reader.hidden_format, files=reader.files("shard-00000"))
 
 
 def test_an_edited_digest_list_is_caught_by_the_manifest_digest(copy):
-    """digests.json is checked too: editing it to match damaged data changes the shard's digest."""
+    """The file list is checked too: editing it to match damaged data changes the shard's digest."""
     target = copy / "shard-00000" / "target_argmax" / "c.0"
     damage(target, 20)
     listing = json.loads((copy / "shard-00000" / "digests.json").read_text())
-    size, sha = hash_shard(copy / "shard-00000")["target_argmax/c.0"]
+    size, sha = hash_files_on_disk(copy / "shard-00000")["target_argmax/c.0"]
     listing["files"]["target_argmax/c.0"] = {"bytes": size, "sha256": sha}
     (copy / "shard-00000" / "digests.json").write_text(json.dumps(listing))
     report = json.loads(cli("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
     digests = next(c for c in report["checks"] if c["check"] == "digests")
     assert digests["status"] == "fail"
-    assert digests["evidence"]["mismatched"] == ["shard-00000: digest of its files differs from the manifest"]
+    assert digests["evidence"]["mismatched"] == ["shard-00000: digest of its files differs from its commit record"]
 
 
 @pytest.mark.parametrize("command", ["train", "verify-cache"])

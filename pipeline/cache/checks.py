@@ -59,6 +59,9 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
     storage = {spec.name: (reader.chunking.chunk_tokens(spec, dims), reader.chunking.file_tokens(spec, dims))
                for spec in specs}
     for name in shards:
+        if name in reader.manifest.broken:  # a record that does not match its files: not committed
+            problems.append(reader.manifest.broken[name])
+            continue
         record = reader.manifest.shards[name]
         if not reader.present(name):
             problems.append(f"{name}: listed in the manifest but missing on disk")
@@ -92,9 +95,6 @@ def check_structure(reader: CacheReader, shards: list[str]) -> Check:
         for key in ("samples", "tokens", "row_range", "kernels", "identity"):
             if attrs.get(key) != getattr(record, key):
                 problems.append(f"{name}: shard attribute {key!r} disagrees with the manifest")
-    # A record that does not match its files leaves the shard uncommitted (redone by extract);
-    # verify names it rather than letting it pass as merely missing.
-    problems += [why for name, why in sorted(reader.manifest.broken.items())]
     return Check("structure", not problems,
                  f"{len(shards)} shards: counts, offsets, dtypes, shapes, chunking" + (f"; {len(problems)} problems" if problems else " as declared"),
                  {"problems": problems[:50]})
@@ -124,8 +124,9 @@ def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Chec
                 bad.append(f"{name}/{rel}: listed in {DIGESTS} but missing")
             elif on_disk[rel] != listed[rel]:
                 bad.append(f"{name}/{rel}: sha256 or size differs from {DIGESTS}")
-        if "sha256:" + digest_of_files(on_disk) != reader.manifest.shards[name].digest:
-            bad.append(f"{name}: digest of its files differs from the manifest")
+        record = reader.manifest.shards.get(name)
+        if record is not None and "sha256:" + digest_of_files(on_disk) != record.digest:
+            bad.append(f"{name}: digest of its files differs from its commit record")
     return Check("digests", not bad, f"sha256 of {files_checked} files in {len(shards)} shards"
                  + (f": {len(bad)} mismatches" if bad else " match their shards' digests.json and the manifest"),
                  {"mismatched": bad[:50]})

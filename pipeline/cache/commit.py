@@ -30,6 +30,7 @@ from pipeline.errors import PipelineError
 
 FileDigests = dict[str, tuple[int, str]]  # path relative to the shard -> (size, sha256 hex)
 PROTOCOL = "commit records: shard-NNNNN/digests.json, written last and only if absent, lists every file"
+_SHARD_NAME = re.compile(r"^shard-\d{5}$")
 _RECORD_KEY = re.compile(r"^(shard-\d{5})/" + re.escape(DIGESTS) + "$")
 
 
@@ -115,11 +116,15 @@ def committed_shards(location: Location, listing: dict[str, int]) -> tuple[dict[
             continue
         if shard is None:
             continue
-        why = mismatch(files, present[name])
+        why = location.refusal(f"{name}/") or mismatch(files, present[name])
         if why:
             broken[name] = f"{name}: its commit record does not match its files ({why})"
         else:
             committed[name] = shard
+    for key, why in getattr(location, "refused", {}).items():
+        name = key.split("/", 1)[0]  # a link where a shard or one of its files should be
+        if _SHARD_NAME.match(name) and name not in committed:
+            broken.setdefault(name, why)
     return committed, broken
 
 

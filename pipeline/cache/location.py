@@ -72,6 +72,10 @@ class Location:
         """Whether anything is stored at the root."""
         return bool(self.listing())
 
+    def refusal(self, prefix: str) -> str | None:
+        """Why an entry under prefix was not listed (a link in a directory); None on object stores."""
+        return None
+
     def map(self, fn, items: list) -> list:
         """fn over items, in order (a remote location keeps several requests in flight)."""
         return [fn(x) for x in items]
@@ -95,6 +99,7 @@ class LocalLocation(Location):
     def __init__(self, root: Path, url: str | None = None):
         self.root = Path(root)
         self.url = url or str(root)
+        self.refused: dict[str, str] = {}  # key -> why it is not an object (a link, a device), from listing
 
     def path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -169,25 +174,35 @@ class LocalLocation(Location):
 
     def listing(self, prefix: str = "") -> dict[str, int]:
         """Regular files only: a cache is untrusted input, so a symbolic link (to /dev/zero,
-        outside the cache) or any other special entry is refused, never followed. Temporaries of
+        outside the cache) or any other special entry is never followed nor listed; it is noted
+        in `refused` (key -> why) for the shard that holds it to be reported. Temporaries of
         small-file writes ('.name.tmp-PID') are not objects."""
         base = self.path(prefix.rstrip("/"))
         found: dict[str, int] = {}
+        if base.is_symlink():
+            self.refused[prefix.rstrip("/")] = f"{base}: is a symbolic link; a cache holds regular files only"
+            return found
         if not base.is_dir():
             return found
         for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
             for name in dirnames + filenames:
                 path = Path(dirpath) / name
+                key = path.relative_to(self.root).as_posix()
                 mode = path.lstat().st_mode
                 if stat.S_ISLNK(mode):
-                    raise PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
-                if name in filenames:
-                    if not stat.S_ISREG(mode):
-                        raise PipelineError(f"{path}: is not a regular file")
-                    if name.startswith(".") and ".tmp-" in name:
-                        continue
-                    found[path.relative_to(self.root).as_posix()] = path.lstat().st_size
+                    self.refused[key] = f"{path}: is a symbolic link; a cache holds regular files only"
+                elif name in filenames and not stat.S_ISREG(mode):
+                    self.refused[key] = f"{path}: is not a regular file"
+                elif name in filenames and not (name.startswith(".") and ".tmp-" in name):
+                    found[key] = path.lstat().st_size
         return dict(sorted(found.items()))
+
+    def refusal(self, prefix: str) -> str | None:
+        """Why something under prefix ('shard-00003/') was not listed, if anything was refused."""
+        for key, why in self.refused.items():
+            if key == prefix.rstrip("/") or key.startswith(prefix):
+                return why
+        return None
 
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self.path(prefix.rstrip("/")), ignore_errors=True)

@@ -298,6 +298,7 @@ class Manifest:
         indices = range(num_shards) if wanted is None else wanted
         missing = [i for i in indices if shard_name(i) not in self.shards]
         return {"num_shards": num_shards, "checked": len(indices), "missing": [shard_name(i) for i in missing],
+                "broken": {shard_name(i): self.broken[shard_name(i)] for i in missing if shard_name(i) in self.broken},
                 "missing_rows": sum(len(shard_rows(i, num_rows, num_shards)) for i in missing),
                 "num_rows": num_rows}
 
@@ -320,8 +321,10 @@ def parse_identity(value: dict, where: str = "config.") -> Identity:
 def describe_missing(found: dict) -> str:
     names = found["missing"]
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    broken = found.get("broken") or {}
+    why = f"; {next(iter(broken.values()))}" if broken else ""
     return (f"{len(names)} of {found['checked']} shards not committed ({shown}): "
-            f"{found['missing_rows']} of {found['num_rows']} dataset rows are not in the cache")
+            f"{found['missing_rows']} of {found['num_rows']} dataset rows are not in the cache{why}")
 
 
 # --------------------------------------------------------------------------- read, validate, write

@@ -186,6 +186,11 @@ class CacheReader:
 
     def shard(self, name_or_index: str | int, *, chunk_cache_bytes: int = 0) -> ShardReader:
         name = shard_name(name_or_index) if isinstance(name_or_index, int) else name_or_index
+        refused = self.location.refusal(f"{name}/")
+        if refused:
+            raise PipelineError(refused)
+        if name in self.manifest.broken:
+            raise PipelineError(f"{self.dir}: {name} is not committed: {self.manifest.broken[name]}")
         if name not in self.manifest.shards:
             raise PipelineError(f"{self.dir}: {name} is not a committed shard")
         record = self.manifest.shards[name]
