@@ -2,7 +2,9 @@
 
 `PIPELINE_FAILPOINT=writer.chunk@3` makes the process send itself SIGKILL the third time it
 reaches `failpoint("writer.chunk")`: what the OOM killer or a node reboot does at that instant,
-with no handler, `finally` or flush running. Several are separated by commas. Outside tests the
+with no handler, `finally` or flush running. `writer.fsynced@1:stop` sends SIGSTOP instead (the
+process freezes there until a test, having changed the world around it, sends SIGCONT). Several
+are separated by commas. Outside tests the
 variable is unset and a failpoint costs one lookup. `HITS` counts every point reached, so a test
 can first run uninterrupted and then aim at any hit of any phase.
 """
@@ -16,15 +18,16 @@ from collections import Counter
 
 ENV = "PIPELINE_FAILPOINT"
 HITS: Counter = Counter()
-_armed: dict[str, int] | None = None
+_armed: dict[str, tuple[int, str]] | None = None
 _lock = threading.Lock()
 
 
-def _parse(spec: str) -> dict[str, int]:
+def _parse(spec: str) -> dict[str, tuple[int, str]]:
     armed = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, nth = item.partition("@")
-        armed[name] = int(nth or 1)
+        name, _, rest = item.partition("@")
+        nth, _, action = rest.partition(":")
+        armed[name] = (int(nth or 1), action or "kill")
     return armed
 
 
@@ -34,5 +37,6 @@ def failpoint(name: str) -> None:
         if _armed is None:  # parsed on first use, so a process forked after import reads its own env
             _armed = _parse(os.environ.get(ENV, ""))
         HITS[name] += 1
-        if _armed.get(name) == HITS[name]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        nth, action = _armed.get(name, (0, ""))
+        if nth == HITS[name]:
+            os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)

@@ -12,6 +12,7 @@ plus the logits top-k/logsumexp in token chunks.
 from __future__ import annotations
 
 import platform
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +25,7 @@ from pipeline.cache.commit import shard_committed
 from pipeline.cache.files import FileLock
 from pipeline.cache.location import LocalLocation, Location, open_location
 from pipeline.cache.manifest import Identity, SourcesRecord, create_manifest, new_manifest, parse_identity
-from pipeline.cache.schema import SCHEMA_VERSION, Chunking, shard_lock_name, shard_name
+from pipeline.cache.schema import MANIFEST, SCHEMA_VERSION, Chunking, shard_lock_name, shard_name
 from pipeline.cache.writer import AlreadyCommitted, BackgroundWriter, ShardWriter
 from pipeline.capture import Capture
 from pipeline.config import EMBEDDED, ExtractConfig
@@ -260,6 +261,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
             "storage": chunking(cfg).geometry(cfg.hidden_format, cache_dims(cfg, facts, taps))}
     if layout.is_writer:
         location.ensure_root()
+        refuse_foreign_content(location)
         manifest, created = create_manifest(location, new_manifest(
             identity=identity, provenance=environment(), plan=plan, resolved_config=asdict(cfg),
             sources=SourcesRecord(target=str(target_dir), data=[str(p) for p in paths])))
@@ -321,6 +323,17 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         "stream_tokens_per_s": totals["tokens"] / stream_seconds,
         "writer": "inline" if run.writer_queue == 0 else f"background thread, queue {run.writer_queue}",
     }
+
+
+def refuse_foreign_content(location: Location) -> None:
+    """A location without a manifest must be empty (or hold only this tool's lock files): a
+    prefix or directory that holds something else is never written into."""
+    if location.read(MANIFEST) is not None:
+        return
+    foreign = [k for k in location.some_keys(20) if not re.fullmatch(r"\.shard-\d{5}\.lock|\.manifest\.json\.tmp-\d+", k)]
+    if foreign:
+        raise PipelineError(f"{location.where()}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''} "
+                            "but no cache manifest.json: not a cache; choose an empty --cache location")
 
 
 def _claim(location: Location, shard: int, layout: Layout, locks: bool) -> tuple[str, FileLock | None]:

@@ -130,11 +130,13 @@ def shard_digest(shard_dir: Path) -> str:
 
 
 def hash_files_on_disk(shard_dir: Path) -> dict:
-    """{relative path: (size, sha256)} of every file of a shard but digests.json, from disk."""
+    """{relative path: (size, sha256)} of every file of a shard but digests.json, from disk (a
+    '.NAME.tmp-PID' left by a kill inside a small-file write is not a file of the shard)."""
     import hashlib
 
     return {p.relative_to(shard_dir).as_posix(): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(shard_dir.rglob("*")) if p.is_file() and p.name != "digests.json"}
+            for p in sorted(shard_dir.rglob("*"))
+            if p.is_file() and p.name != "digests.json" and not (p.name.startswith(".") and ".tmp-" in p.name)}
 
 
 def resign(cache: Path, name: str) -> None:

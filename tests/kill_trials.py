@@ -29,11 +29,11 @@ import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: E402, F401
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
 
 from pipeline import faults  # noqa: E402
-from extract_helpers import shard_digest  # noqa: E402
+from extract_helpers import manifest_json, shard_digest  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 
-PHASES = ("extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.renamed", "json.written", "extract.listed")
+PHASES = ("extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.committed")
 
 
 def child(cache: Path, plan: dict, *, failpoint: str = "", writer_queue: int = 0, hits_file: Path | None = None,
@@ -78,16 +78,13 @@ def wait(pid: int, timeout: float = 300) -> str:
 
 
 def inspect(cache: Path) -> dict:
-    """What a reader would see right after the kill: listed shards must be whole, byte for byte."""
-    manifest_path = cache / "manifest.json"
-    listed = json.loads(manifest_path.read_text())["shards"] if manifest_path.exists() else {}
-    intact = all((cache / name).is_dir() and shard_digest(cache / name) == rec["digest"]
-                 for name, rec in listed.items())
+    """What a reader would see right after the kill: committed shards (by the protocol's rule,
+    read without the tool's parser) must be whole, byte for byte; any other shard directory is a
+    partial write that no reader sees."""
+    listed = manifest_json(cache)["shards"] if (cache / "manifest.json").exists() else {}
+    intact = all(shard_digest(cache / name) == rec["digest"] for name, rec in listed.items())
     dirs = sorted(p.name for p in cache.glob("shard-*") if p.is_dir()) if cache.exists() else []
-    return {"listed": sorted(listed), "listed_intact": intact,
-            "partial": sorted(p.name for p in cache.glob(".shard-*.tmp")) if cache.exists() else [],
-            "unlisted_dirs": [d for d in dirs if d not in listed],
-            "manifest_temps": sorted(p.name for p in cache.glob(".manifest.json.tmp-*")) if cache.exists() else []}
+    return {"listed": sorted(listed), "listed_intact": intact, "partial": [d for d in dirs if d not in listed]}
 
 
 def main(plan_path: str) -> None:

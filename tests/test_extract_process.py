@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, cli, torchrun, write_rows
+from extract_helpers import REPO, assert_same_content, cli, manifest_json, torchrun, write_rows
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def reference(tmp_path_factory, data):
 
 
 def manifest(cache):
-    return json.loads((cache / "manifest.json").read_text())
+    return manifest_json(cache)
 
 
 def row_ranges(cache):
@@ -62,8 +62,8 @@ def test_kill_mid_shard_then_resume(tmp_path, data, reference):
     deadline = time.time() + 120
     # Wait until a shard is half-written, and at least one other has been committed, then kill -9.
     while time.time() < deadline:
-        partial = list(cache.glob(".shard-*.tmp"))
-        committed = list(cache.glob("shard-*"))
+        committed = list(cache.glob("shard-*/digests.json"))
+        partial = [d for d in cache.glob("shard-*") if not (d / "digests.json").exists()]
         if partial and committed:
             break
         time.sleep(0.01)
@@ -77,7 +77,7 @@ def test_kill_mid_shard_then_resume(tmp_path, data, reference):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["shards_written"] == 4 - len(listed)
-    assert not list(cache.glob(".shard-*.tmp"))
+    assert all((d / "digests.json").exists() for d in cache.glob("shard-*"))
     assert_same_content(cache, reference)
 
 
@@ -164,7 +164,7 @@ def test_an_over_long_sample_is_an_error_when_asked(tmp_path, data):
     assert result.returncode == 1, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and f"{data}:1: " in lines[0] and "over max_length 20" in lines[0], result.stderr
-    assert manifest(cache)["shards"] == {} and not list(cache.glob(".shard-*.tmp"))
+    assert manifest(cache)["shards"] == {} and not list(cache.glob("shard-*"))
 
 
 def test_skip_policies_are_counted(tmp_path, train_rows):

@@ -68,9 +68,9 @@ class Location:
         """Remove every object under prefix ('shard-00003/')."""
         raise NotImplementedError
 
-    def exists(self) -> bool:
-        """Whether anything is stored at the root."""
-        return bool(self.listing())
+    def some_keys(self, limit: int = 10) -> list[str]:
+        """Up to `limit` keys stored under the root (not all: the root may hold anything)."""
+        raise NotImplementedError
 
     def refusal(self, prefix: str) -> str | None:
         """Why an entry under prefix was not listed (a link in a directory); None on object stores."""
@@ -207,8 +207,15 @@ class LocalLocation(Location):
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self.path(prefix.rstrip("/")), ignore_errors=True)
 
-    def exists(self) -> bool:
-        return self.root.is_dir() and any(self.root.iterdir())
+    def some_keys(self, limit: int = 10) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            found.append(entry.name + ("/" if entry.is_dir() else ""))
+            if len(found) >= limit:
+                break
+        return found
 
     def zarr_store(self, prefix: str, *, read_only: bool):
         from zarr.storage import LocalStore

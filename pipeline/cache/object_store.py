@@ -180,6 +180,13 @@ class S3Location(Location):
             raise self._fail("listing", prefix, e) from None
         return dict(sorted(found.items()))
 
+    def some_keys(self, limit: int = 10) -> list[str]:
+        try:
+            page = next(iter(self._obstore.list(self.store, None, chunk_size=limit)), [])
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("listing", "", e) from None
+        return [meta["path"] for meta in page][:limit]
+
     def delete_prefix(self, prefix: str) -> None:
         keys = list(self.listing(prefix))
         for i in range(0, len(keys), 1000):
