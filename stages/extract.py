@@ -231,6 +231,10 @@ def encode_rows(cfg: ExtractConfig, ids: list[int], mask: list[int], out: dict) 
 def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool = True) -> dict:
     start = time.perf_counter()
     layout = init_layout(cfg.tp)
+    location = open_location(cfg.cache)
+    if layout.is_writer:  # a bad location fails here, before any data is read or a model loaded
+        location.ensure_root()
+        refuse_foreign_content(location)
     target_dir = resolve_target(cfg.target)
     facts = read_target_facts(target_dir)
     taps = list(cfg.layers) if cfg.layers is not None else default_layers(cfg.target, facts.num_hidden_layers)
@@ -255,13 +259,10 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, prompt=masker.prompt(cfg.chat_template_kwargs),
                                target_dir=target_dir, taps=taps,
                                dataset=dataset, compute_dtype=compute)
-    location = open_location(cfg.cache)
     plan = {"assignment": "contiguous: shard s holds rows [s*N//S, (s+1)*N//S)", "num_rows": dataset["num_rows"],
             "num_shards": cfg.num_shards,
             "storage": chunking(cfg).geometry(cfg.hidden_format, cache_dims(cfg, facts, taps))}
     if layout.is_writer:
-        location.ensure_root()
-        refuse_foreign_content(location)
         manifest, created = create_manifest(location, new_manifest(
             identity=identity, provenance=environment(), plan=plan, resolved_config=asdict(cfg),
             sources=SourcesRecord(target=str(target_dir), data=[str(p) for p in paths])))

@@ -8,7 +8,10 @@ imports a fresh interpreter pays, which is what makes 20+ trials fit in CI.
 
     python tests/kill_trials.py PLAN.json   ->  JSON results on stdout
 
-PLAN: {"root", "data", "num_shards", "batch_tokens", "seed", "per_failpoint", "timed"}.
+PLAN: {"root", "data", "num_shards", "batch_tokens", "seed", "per_failpoint", "timed"}, and
+optionally "s3": {"endpoint", "bucket"} (credentials from the environment): each trial's cache is
+then s3://BUCKET/trial-NN, and what a reader would see is judged on a fresh copy of the prefix
+read with boto3 (an independent client) into ROOT/trial-NN.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from stages.extract import run_extract  # noqa: E402
 PHASES = ("extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.committed")
 
 
-def child(cache: Path, plan: dict, *, failpoint: str = "", writer_queue: int = 0, hits_file: Path | None = None,
+def child(cache: Path | str, plan: dict, *, failpoint: str = "", writer_queue: int = 0, hits_file: Path | None = None,
           summary_file: Path | None = None) -> int:
     """Fork a child that extracts into `cache`; returns its pid. The child never returns."""
     pid = os.fork()
@@ -103,22 +106,36 @@ def main(plan_path: str) -> None:
             trials.append({"failpoint": f"{phase}@{rng.randint(1, hits[phase])}"})
     for _ in range(plan["timed"]):
         trials.append({"kill_after_s": round(rng.uniform(0.1, 1.0) * reference_seconds, 3)})
+    bucket = plan.get("s3", {}).get("bucket")
+
+    def look(i: int) -> Path:
+        view = root / f"trial-{i:02d}"
+        if bucket:
+            import shutil
+
+            import boto3
+            from s3_helpers import download
+            shutil.rmtree(view, ignore_errors=True)
+            view.mkdir()
+            download(boto3.client("s3", endpoint_url=plan["s3"]["endpoint"]), bucket, f"trial-{i:02d}/", view)
+        return view
+
     for i, trial in enumerate(trials):
         trial["writer_queue"] = i % 2 * 2  # alternate the inline writer and the background thread
-        cache = root / f"trial-{i:02d}"
-        trial["cache"] = str(cache)
+        cache = f"s3://{bucket}/trial-{i:02d}" if bucket else root / f"trial-{i:02d}"
+        trial["cache"] = str(look(i) if bucket else cache)
         pid = child(cache, plan, failpoint=trial.get("failpoint", ""), writer_queue=trial["writer_queue"])
         if "kill_after_s" in trial:
             time.sleep(trial["kill_after_s"])
             os.kill(pid, signal.SIGKILL)
         trial["run"] = wait(pid)
-        trial["after_kill"] = inspect(cache)
+        trial["after_kill"] = inspect(look(i))
         summary_file = root / f"resume-{i:02d}.json"
         trial["resume"] = wait(child(cache, plan, summary_file=summary_file))
         if trial["resume"] == "ok":
             summary = json.loads(summary_file.read_text())
             trial["resumed_shards_written"] = summary["shards_written"]
-        trial["after_resume"] = inspect(cache)
+        trial["after_resume"] = inspect(look(i))
     print(json.dumps({"reference": str(root / "reference"), "hits": hits, "reference_seconds": reference_seconds,
                       "trials": trials, "seconds": time.perf_counter() - start}))
 

@@ -137,6 +137,10 @@ class Outage:
                     pass
 
     def cut(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close alone does not
+        except OSError:
+            pass
         self.listener.close()
         for s in self.conns:
             try:

@@ -54,22 +54,34 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
     of chunks compressed and written, shard's files durable before its record, record written)
     and 4 kills after a random delay; the writer runs inline in half of them and on its background thread in the
     other half."""
+    aimed = kill_trials(tmp_path, data, reference, per_failpoint=4, timed=4)
+    # The phases left what they should: a kill after the files, before the record, leaves a shard
+    # directory that no reader sees and the resume redoes; one right after the record, a committed shard.
+    assert all(t["after_kill"]["partial"] for t in aimed if t["failpoint"].startswith("writer.fsynced"))
+    assert all(t["after_kill"]["listed"] for t in aimed if t["failpoint"].startswith("writer.committed"))
+
+
+def kill_trials(tmp_path, data, reference, *, per_failpoint: int, timed: int, s3: dict | None = None,
+                env: dict | None = None) -> list[dict]:
+    """Run tests/kill_trials.py and check every trial: nothing partial ever looks committed, every
+    resume completes exactly the missing shards, and the content equals an uninterrupted run's.
+    Returns the trials aimed at failpoints."""
     plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
-            "seed": 9, "per_failpoint": 4, "timed": 4,
+            "seed": 9, "per_failpoint": per_failpoint, "timed": timed, **({"s3": s3} if s3 else {}),
             # small files, so that kills land between the file writes of a shard, not only at its commit
             "chunking": {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256,
                          "small_chunks_per_file": 4}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     result = subprocess.run([sys.executable, "tests/kill_trials.py", str(tmp_path / "plan.json")], cwd=REPO,
                             capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_FAILPOINT": ""})
+                            env={**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PIPELINE_FAILPOINT": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     trials = report["trials"]
     aimed = [t for t in trials if "failpoint" in t]
-    assert len(aimed) == 20 and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
+    assert len(aimed) == per_failpoint * len(PHASES) and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
     assert {t["failpoint"].split("@")[0] for t in aimed} == PHASES
-    assert sum(t["run"] == "killed" for t in trials) >= 21
+    assert sum(t["run"] == "killed" for t in trials) >= len(aimed) + (1 if timed else 0)
     for t in trials:
         after = t["after_kill"]
         assert after["listed_intact"], t  # never a partial shard listed as committed
@@ -81,10 +93,7 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
         cache = tmp_path / os.path.basename(t["cache"])
         assert_same_content(cache, reference)
         assert run_verify(cache, tail_rate=0)["passed"], t  # content is already compared exactly above
-    # The phases left what they should: a kill after the files, before the record, leaves a shard
-    # directory that no reader sees and the resume redoes; one right after the record, a committed shard.
-    assert all(t["after_kill"]["partial"] for t in aimed if t["failpoint"].startswith("writer.fsynced"))
-    assert all(t["after_kill"]["listed"] for t in aimed if t["failpoint"].startswith("writer.committed"))
+    return aimed
 
 
 def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):
