@@ -184,10 +184,20 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def in_process(*args, env: dict):
+    """The CLI through typer's runner, in this process (no interpreter start per call)."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", **env})
+    result.returncode = result.exit_code
+    return result
+
+
 def test_bad_locations_fail_in_one_line_with_nothing_committed(server, s3_env, data, tmp_path):
     def fails(cache: str, message: str, *extra, env: dict | None = None):
-        result = run_cli("extract", "--cache", cache, "--data", str(data), "--num-shards", str(SHARDS), *extra,
-                         env=env or s3_env)
+        result = in_process("extract", "--cache", cache, "--data", str(data), "--num-shards", str(SHARDS), *extra,
+                            env=env or s3_env)
         assert result.returncode == 1, result.stderr
         lines = error_lines(result)
         assert len(lines) == 1 and message in lines[0], result.stderr
@@ -206,14 +216,14 @@ def test_bad_locations_fail_in_one_line_with_nothing_committed(server, s3_env, d
     assert set(objects(server.client(), bucket)) == {"data/train.parquet"}
 
     bucket = server.new_bucket()
-    first = run_cli("extract", "--cache", f"s3://{bucket}/c", "--data", str(data), "--num-shards", str(SHARDS),
-                    "--shards", "0", env=s3_env)
+    first = in_process("extract", "--cache", f"s3://{bucket}/c", "--data", str(data), "--num-shards", str(SHARDS),
+                       "--shards", "0", env=s3_env)
     assert first.returncode == 0, first.stderr
     before = objects(server.client(), bucket)
     fails(f"s3://{bucket}/c", "was created with a different configuration (capture.top_k: 32 -> 8", "--top-k", "8")
     assert objects(server.client(), bucket) == before
 
-    verify = run_cli("verify-cache", "s3://no-such-bucket-here/c", env=s3_env)
+    verify = in_process("verify-cache", "s3://no-such-bucket-here/c", env=s3_env)
     assert verify.returncode == 2 and len(error_lines(verify)) == 1 and "NoSuchBucket" in verify.stderr  # 2: cannot verify
 
 
@@ -222,7 +232,7 @@ def test_refused_credentials_are_one_line_without_the_secret(data, tmp_path):
     guarded = MotoServer(INITIAL_NO_AUTH_ACTION_COUNT="0")
     try:
         env = {**guarded.env(), "AWS_ACCESS_KEY_ID": "AKIAUNKNOWN000000000", "DFLASH_S3_RETRY_SECONDS": "1"}
-        result = run_cli("extract", "--cache", "s3://some-bucket/c", "--data", str(data), env=env)
+        result = in_process("extract", "--cache", "s3://some-bucket/c", "--data", str(data), env=env)
         assert result.returncode == 1
         lines = error_lines(result)
         assert len(lines) == 1 and "InvalidAccessKeyId" in lines[0], result.stderr
@@ -236,12 +246,11 @@ def test_profile_files_supply_credentials_and_endpoint(server, data, tmp_path):
     bucket = server.new_bucket()
     (tmp_path / "credentials").write_text(f"[team]\naws_access_key_id = {KEY_ID}\naws_secret_access_key = {SECRET}\n")
     (tmp_path / "config").write_text(f"[profile team]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env = {k: None for k in os.environ if k.startswith("AWS_")}  # None: unset for the call
     env.update(AWS_PROFILE="team", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
                AWS_CONFIG_FILE=str(tmp_path / "config"))
-    result = subprocess.run([sys.executable, "-m", "cli", "extract", "--cache", f"s3://{bucket}/c", "--data", str(data),
-                             "--num-shards", str(SHARDS), "--shards", "0", "--json"], cwd=REPO, capture_output=True,
-                            text=True, env=env, timeout=600)
+    result = in_process("extract", "--cache", f"s3://{bucket}/c", "--data", str(data), "--num-shards", str(SHARDS),
+                        "--shards", "0", "--json", env=env)
     assert result.returncode == 0, result.stderr
     assert "shard-00000/digests.json" in objects(server.client(), bucket, "c/")
 
