@@ -113,6 +113,16 @@ def load_config(cls, path: Path | None, overrides: dict, *, section: str, base: 
         raise PipelineError(f"{path or 'options'}: {e}") from None
 
 
+def parse_size(text) -> int | None:
+    """'500G' -> bytes (K, M, G, T: powers of 1024); None when it is not a positive size."""
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        return None
+    value = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    return value if value > 0 else None
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Drafter training. Defaults are DESIGN's (block 16, 512 anchors, gamma by block size); a
@@ -171,6 +181,10 @@ class TrainConfig:
     loader_workers: int = 0                  # loader processes per rank; 0: a thread in the training process (measured faster on CPU, BENCHMARKS.md)
     allow_mixed_provenance: bool = False
     allow_incomplete_cache: bool = False     # train on a cache whose shards are not all committed (warns, recorded)
+    # A remote (s3://) cache's files copied to local disk on first read, least recently used
+    # deleted past the size (bytes, or with a K/M/G/T suffix): later epochs read the copies.
+    cache_local: str | None = None
+    cache_local_size: str = "100G"
 
     def __post_init__(self):
         checks = [
@@ -200,6 +214,8 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.prefetch >= 1, f"prefetch must be >= 1, got {self.prefetch}"),
             (self.loader_workers >= 0, f"loader_workers must be >= 0, got {self.loader_workers}"),
+            (parse_size(self.cache_local_size) is not None,
+             f"cache_local_size must be a byte count such as 500G, got {self.cache_local_size!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,8 +3,10 @@
 `PIPELINE_FAILPOINT=writer.chunk@3` makes the process send itself SIGKILL the third time it
 reaches `failpoint("writer.chunk")`: what the OOM killer or a node reboot does at that instant,
 with no handler, `finally` or flush running. `writer.fsynced@1:stop` sends SIGSTOP instead (the
-process freezes there until a test, having changed the world around it, sends SIGCONT). Several
-are separated by commas. Outside tests the
+process freezes there until a test, having changed the world around it, sends SIGCONT);
+`checkpoint.renamed@1:once` kills only if the file named by PIPELINE_FAILPOINT_MARKER does not
+exist yet, creating it first (a worker that torchrun restarts with the same environment then
+runs through). Several are separated by commas. Outside tests the
 variable is unset and a failpoint costs one lookup. `HITS` counts every point reached, so a test
 can first run uninterrupted and then aim at any hit of any phase.
 """
@@ -17,6 +19,7 @@ import threading
 from collections import Counter
 
 ENV = "PIPELINE_FAILPOINT"
+MARKER_ENV = "PIPELINE_FAILPOINT_MARKER"
 HITS: Counter = Counter()
 _armed: dict[str, tuple[int, str]] | None = None
 _lock = threading.Lock()
@@ -39,4 +42,10 @@ def failpoint(name: str) -> None:
         HITS[name] += 1
         nth, action = _armed.get(name, (0, ""))
         if nth == HITS[name]:
+            if action == "once":
+                marker = os.environ[MARKER_ENV]
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)

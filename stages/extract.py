@@ -398,9 +398,9 @@ class _ShardRun:
         bar.advance(len(rows) - len(samples))
         if writer is not None:
             writer.attrs.update({"counts": counts, "identity": self.identity,
-                                 "kernels": kernel_record(self.model, counter.counts),
-                                 "layout": {**self.layout.record(), "tp_plan": self.tp_plan},
-                                 "host": platform.node(), "environment": environment()})
+                                 "kernels": kernel_record(self.model, counter.counts)})
+            writer.run_record.update({"layout": {**self.layout.record(), "tp_plan": self.tp_plan},
+                                      "host": platform.node(), "environment": environment()})
             self.background.submit(lambda: self._commit(writer, shard, lock))
 
     def _encode(self, ids, mask, out) -> dict[str, np.ndarray]:

@@ -42,7 +42,7 @@ from pipeline.target import TargetFacts, identity_claims, read_target_facts, res
 
 # Options that may change between a checkpoint and its resume without changing the result
 # (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
-RESUMABLE_CHANGES = {"out", "cache", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
+RESUMABLE_CHANGES = {"out", "cache", "cache_local", "cache_local_size", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
                      "loader_workers", "allow_mixed_provenance", "allow_incomplete_cache", "micro_batch_sequences"}
 
 
@@ -260,13 +260,28 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
+def open_cache_location(cfg: TrainConfig):
+    """The cache's location; a remote one read through bounded local copies with --cache-local."""
+    from pipeline.cache.local_copy import LocalCopies
+    from pipeline.cache.location import open_location
+    from pipeline.config import parse_size
+
+    location = open_location(cfg.cache)
+    location.check_reachable()
+    if cfg.cache_local is None:
+        return location
+    if not location.remote:
+        raise PipelineError(f"--cache-local: {cfg.cache} is already on this machine's filesystem")
+    return LocalCopies(location, Path(cfg.cache_local), parse_size(cfg.cache_local_size))
+
+
 def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bool = True, view=None,
               warn=print) -> dict:
     """Train; returns a summary. `view` receives progress (None: silent)."""
     rank, world = init_distributed()
     device = pick_device()
     keep_sample_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
-    reader = CacheReader(cfg.cache)
+    reader = CacheReader(open_cache_location(cfg))
     manifest = reader.manifest
     target_dir = resolve_target(cfg.target, manifest.recorded_target())
     facts = read_target_facts(target_dir)
@@ -316,7 +331,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         write_json_atomic(out / "run.json", {
             "config": asdict(cfg), "target": str(target_dir), "target_config_sha256": facts.config_sha256,
             "target_weights": manifest.identity.target.weights,   # the weights whose predictions the drafter learns
-            "cache": str(Path(cfg.cache).resolve()),
+            "cache": reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "frozen_dtype": str(frozen_dtype).removeprefix("torch."), "loss_path": LOSS_PATH,
             "attention_path": path,

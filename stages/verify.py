@@ -163,7 +163,7 @@ def show_sample(cache_dir: str | Path, sample_id: int, target: Path | None) -> d
     kinds = token_kinds("".join(pieces), offsets, mask, reader.manifest.identity.tokenizer.end_of_turn)
     supervised = [i for i, m in enumerate(mask) if m]
     by_kind = ", ".join(f"{kinds.count(k)} {k.replace('_', ' ')}" for k in ("reasoning", "content", "tool_call", "end_of_turn"))
-    header = (f"sample {sample_id} ({shard.path.name}): {len(ids)} tokens, {len(supervised)} supervised ({by_kind}), "
+    header = (f"sample {sample_id} ({shard.name}): {len(ids)} tokens, {len(supervised)} supervised ({by_kind}), "
               f"first {supervised[0] if supervised else None}, last {supervised[-1] if supervised else None}")
-    return {"sample_id": sample_id, "shard": shard.path.name, "summary": header, "input_ids": ids, "loss_mask": mask,
+    return {"sample_id": sample_id, "shard": shard.name, "summary": header, "input_ids": ids, "loss_mask": mask,
             "labels": [None, *argmax[:-1]], "pieces": pieces, "kinds": kinds}

@@ -139,6 +139,20 @@ def hash_files_on_disk(shard_dir: Path) -> dict:
             if p.is_file() and p.name != "digests.json" and not (p.name.startswith(".") and ".tmp-" in p.name)}
 
 
+def edit_record(cache: Path, name: str, change) -> None:
+    """Apply `change` to a committed shard's record (in its digests.json, the commit record), as a
+    writer with a bug would have written it."""
+    path = Path(cache) / name / "digests.json"
+    listing = json.loads(path.read_text())
+    change(listing["shard"])
+    path.write_text(json.dumps(listing))
+
+
+def uncommit(cache: Path, name: str) -> None:
+    """Remove a shard's commit record: its files stay, no reader sees them."""
+    (Path(cache) / name / "digests.json").unlink()
+
+
 def resign(cache: Path, name: str) -> None:
     """Make a deliberately edited shard's digests (digests.json and the manifest) match its bytes
     again, so a test reaches the check it is about instead of stopping at the digest check."""

@@ -14,7 +14,6 @@ from numcodecs import Zstd
 
 from extract_helpers import cli, hash_files_on_disk, manifest_json, shard_digest, write_rows
 from pipeline.cache.commit import hash_shard, read_digests
-from pipeline.cache.files import regular_files
 from pipeline.cache.location import open_location
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import Chunking, array_specs, per_shard_files
@@ -63,6 +62,10 @@ def test_direct_reader_equals_zarrs_reader(request, fmt):
                     a = rng.randrange(shard.num_tokens)
                     b = rng.randrange(a + 1, min(a + 700, shard.num_tokens) + 1)
                     assert np.array_equal(shard.read_range(spec.name, a, b), reference[a:b]), (spec.name, a, b)
+
+
+def regular_files(root):
+    return sorted(p for p in root.rglob("*") if p.is_file())
 
 
 def test_files_on_disk_match_the_schema_formula(cache):

@@ -128,12 +128,13 @@ def test_manifest_records_provenance(cache):
 
 def test_rerun_is_a_no_op(cache, small_data):
     path, _ = cache
-    before = (path / "manifest.json").read_text()
-    digests = {n: r["digest"] for n, r in json.loads(before)["shards"].items()}
+    before = (path / "manifest.json").read_bytes()
+    digests = {n: r["digest"] for n, r in manifest_json(path)["shards"].items()}
+    assert len(digests) == 3
     summary = extract(path, small_data[0])
     assert summary["shards_written"] == 0 and summary["shards_already_committed"] == 3
-    after = json.loads((path / "manifest.json").read_text())
-    assert {n: r["digest"] for n, r in after["shards"].items()} == digests
+    assert {n: r["digest"] for n, r in manifest_json(path)["shards"].items()} == digests
+    assert (path / "manifest.json").read_bytes() == before, "written once, when the cache was created"
 
 
 def test_conflicting_configuration_is_refused(cache, small_data):

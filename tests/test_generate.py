@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from extract_helpers import REPO, cli, torchrun, write_rows
+from extract_helpers import REPO, cli, manifest_json, torchrun, write_rows
 
 from pipeline.errors import PipelineError
 from stages.generate import run_generate
@@ -59,7 +59,7 @@ def test_last_turn_only_and_the_manifest_records_the_source(tmp_path, data, held
     assert summary["turns_written"] == ROWS
     assert messages(out) == [r["messages"] for r in heldout_rows[:ROWS]]
     run_extract(ExtractConfig(cache=str(tmp_path / "cache"), data=[str(out)], num_shards=1), None, progress=False)
-    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    manifest = manifest_json(tmp_path / "cache")
     sources = [json.loads(s) for s in next(iter(manifest["shards"].values()))["counts"]["generated_by"]]
     assert [s["backend"] for s in sources] == ["in-process"] and sources[0]["sampling"]["turns"] == "last"
 

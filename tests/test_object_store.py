@@ -110,15 +110,46 @@ def test_training_from_a_bucket_equals_training_from_a_directory(server, s3_env,
     for rel, blob in directory_files(reference).items():
         server.client().put_object(Bucket=bucket, Key=f"c/{rel}", Body=blob)
     losses = {}
-    for name, cache in (("directory", str(reference)), ("bucket", f"s3://{bucket}/c")):
+    copies = tmp_path / "copies"
+    for name, cache, local in (("directory", str(reference), None), ("bucket", f"s3://{bucket}/c", None),
+                               ("bucket via local copies", f"s3://{bucket}/c", str(copies))):
         out = tmp_path / name
         cfg, preset = resolve_config(None, {"cache": cache, "out": str(out), "max_steps": 3, "batch_sequences": 4,
-                                            "micro_batch_sequences": 4, "log_every": 1})
+                                            "micro_batch_sequences": 4, "log_every": 1, "cache_local": local,
+                                            "cache_local_size": "64K"})
         run_train(cfg, preset_target=preset, warn=lambda *_: None)
         logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
         losses[name] = [row["loss"] for row in logs if "loss" in row]
     assert len(losses["directory"]) == 3
-    assert losses["bucket"] == losses["directory"]
+    assert losses["bucket"] == losses["directory"] == losses["bucket via local copies"]
+    kept = [p for p in copies.rglob("*") if p.is_file()]
+    assert kept and sum(p.stat().st_size for p in kept) <= 64 * 1024  # the budget holds
+    for p in kept:  # each copy is its object, byte for byte
+        rel = p.relative_to(next(copies.iterdir())).as_posix()
+        assert p.read_bytes() == server.client().get_object(Bucket=bucket, Key=f"c/{rel}")["Body"].read()
+
+
+def test_local_copies_serve_rereads_within_their_budget(server, s3_env, reference):
+    """Two passes over every sample through --cache-local's copies: the second pass is served from
+    disk where the budget allows, and what is read equals the directory cache."""
+    from extract_helpers import ARRAYS
+    from pipeline.cache.local_copy import LocalCopies
+    from pipeline.cache.location import open_location
+    from pipeline.cache.reader import CacheReader
+
+    bucket = server.new_bucket()
+    for rel, blob in directory_files(reference).items():
+        server.client().put_object(Bucket=bucket, Key=f"c/{rel}", Body=blob)
+    want = CacheReader(reference)
+    copies = LocalCopies(open_location(f"s3://{bucket}/c"), reference.parent / "copies", 10**9)
+    got = CacheReader(copies)
+    for _ in range(2):
+        for name in want.shards:
+            a, b = want.shard(name), got.shard(name)
+            for sid in a.sample_ids:
+                for key in (*ARRAYS, "hidden"):
+                    assert (a.read(key, int(sid)) == b.read(key, int(sid))).all(), (name, sid, key)
+    assert copies.misses > 0 and copies.hits > copies.misses
 
 
 @pytest.mark.parametrize("where", ["bucket", "directory without locks"])

@@ -12,7 +12,8 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import REPO, cli, file_size_limit, manifest_json, in_namespace, needs_tmpfs, small_cache, torchrun
+from extract_helpers import (REPO, cli, edit_record, file_size_limit, in_namespace, manifest_json, needs_tmpfs, resign,
+                             small_cache, torchrun)
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.drafter.checkpoint import list_checkpoints
@@ -137,6 +138,7 @@ def plant(cache, out, *, shift: int, alphabet=32, seed=0):
         group["target_argmax"][:] = planted.astype(group["target_argmax"].dtype)
         noise = torch.randn(group["hidden"].shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
         group["hidden"][:] = noise.view(torch.int16).numpy().view(np.uint16)
+        resign(out, name)  # the commit record matches the synthetic content
     return out
 
 
@@ -346,10 +348,8 @@ def test_refuses_a_cache_that_does_not_fit(cache, tmp_path, embedded):
 def test_mixed_kernel_provenance_needs_the_flag(cache, tmp_path):
     mixed = tmp_path / "mixed"
     shutil.copytree(cache, mixed)
-    manifest = json.loads((mixed / "manifest.json").read_text())
-    name = sorted(manifest["shards"])[1]
-    manifest["shards"][name]["kernels"]["path"] = "fla"
-    (mixed / "manifest.json").write_text(json.dumps(manifest))
+    name = sorted(manifest_json(mixed)["shards"])[1]
+    edit_record(mixed, name, lambda record: record["kernels"].update(path="fla"))
     refused = cli("train", "--cache", str(mixed), "--out", str(tmp_path / "run"), "--max-steps", "2")
     assert refused.returncode == 1
     assert "mixed kernel provenance" in refused.stderr and "--allow-mixed-provenance" in refused.stderr

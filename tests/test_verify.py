@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zarr
 
-from extract_helpers import cli, write_rows
+from extract_helpers import cli, edit_record, resign, write_rows
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify
@@ -67,10 +67,12 @@ IM_START, IM_END = 497, 498  # the shipped tokenizer's ids; test_fault_ids check
 
 
 def per_shard(cache, array, fn, *extra):
-    """Rewrite one array of every shard through Zarr (valid checksums, wrong content)."""
+    """Rewrite one array of every shard through Zarr (valid checksums, wrong content), and its
+    commit record to match, as an extractor with that bug would have written it."""
     for shard in sorted(cache.glob("shard-*")):
         arrays = [zarr.open_array(str(shard / name), mode="r+") for name in (array, *extra)]
         arrays[0][:] = fn(*(arr[:] for arr in arrays))
+        resign(cache, shard.name)
 
 
 def span_starts(mask):
@@ -106,17 +108,10 @@ def nan_in_tap(hidden):
 
 
 def set_identity(cache, shard, **changes):
-    manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["shards"][shard]["identity"].update(changes)
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    edit_record(cache, shard, lambda record: record["identity"].update(changes))
     group = zarr.open_group(str(cache / shard), mode="r+")
     group.attrs["identity"] = {**group.attrs["identity"], **changes}
-
-
-def edit_manifest(cache, fn):
-    manifest = json.loads((cache / "manifest.json").read_text())
-    fn(manifest)
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    resign(cache, shard)
 
 
 def flip_byte(cache):
@@ -131,15 +126,16 @@ def copy_hidden_from(other):
         for shard in sorted(cache.glob("shard-*")):
             shutil.rmtree(shard / "hidden")
             shutil.copytree(other / shard.name / "hidden", shard / "hidden")
+            resign(cache, shard.name)
     return plant
 
 
-def kernels_fla(m):
-    m["shards"]["shard-00001"]["kernels"]["path"] = "fla"
+def kernels_fla(record):
+    record["kernels"]["path"] = "fla"
 
 
-def more_tokens(m):
-    m["shards"]["shard-00000"]["tokens"] += 1
+def more_tokens(record):
+    record["tokens"] += 1
 
 
 # (fault, plant(cache, ctx), extra verify args, failing check, message fragment)
@@ -158,14 +154,15 @@ FAULTS = [
      [], "mask_boundaries", "end-of-turn token not supervised"),
     ("a flipped byte in one chunk", lambda c, x: flip_byte(c), [], "checksums", "shard-00001/hidden chunk"),
     ("a missing chunk", lambda c, x: (c / "shard-00001" / "target_argmax" / "c.0").unlink(),
-     [], "structure", "shard-00001/target_argmax: chunk file(s) [0] missing"),
-    ("a shard missing from disk but listed", lambda c, x: shutil.rmtree(c / "shard-00002"),
-     [], "structure", "shard-00002: listed in the manifest but missing on disk"),
-    ("token count mismatch", lambda c, x: edit_manifest(c, more_tokens), [], "structure", "manifest says"),
+     [], "structure", "shard-00001: its commit record does not match its files (target_argmax/c.0 is listed but missing)"),
+    ("a shard missing from disk", lambda c, x: shutil.rmtree(c / "shard-00002"),
+     [], "completeness", "1 of 3 shards not committed (shard-00002)"),
+    ("token count mismatch", lambda c, x: edit_record(c, "shard-00000", more_tokens), [], "structure", "manifest says"),
     ("NaN injected into one tap", lambda c, x: per_shard(c, "hidden", nan_in_tap), [], "finite", "tap 3: "),
     ("one shard with another tokenizer digest", lambda c, x: set_identity(c, "shard-00001", tokenizer_files_sha256="0" * 64),
      [], "provenance", "shard-00001: tokenizer_files_sha256"),
-    ("one shard with different kernel provenance", lambda c, x: edit_manifest(c, kernels_fla), [], "provenance", "MIXED"),
+    ("one shard with different kernel provenance", lambda c, x: edit_record(c, "shard-00001", kernels_fla), [],
+     "provenance", "MIXED"),
 ]
 
 

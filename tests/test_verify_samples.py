@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zarr
 
-from extract_helpers import cli, resign, write_rows
+from extract_helpers import cli, manifest_json, resign, uncommit, write_rows
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig, TrainConfig
 from pipeline.errors import PipelineError
@@ -135,11 +135,8 @@ def test_incomplete_cache_fails_completeness_and_train_refuses_it(caches, tmp_pa
     good, _ = caches
     cache = tmp_path / "cache"
     shutil.copytree(good, cache)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    for name in ("shard-00002", "shard-00003"):
-        shutil.rmtree(cache / name)
-        del manifest["shards"][name]
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(cache / "shard-00002")
+    uncommit(cache, "shard-00003")  # its files stay: a partial write, invisible
     result = cli("verify-cache", str(cache), "--json")
     check = next(c for c in json.loads(result.stdout)["checks"] if c["check"] == "completeness")
     assert result.returncode == 1 and check["status"] == "fail"
@@ -174,7 +171,7 @@ def test_unknown_kernel_provenance_fails_verify_and_train(tmp_path, train_rows, 
     data = write_rows(tmp_path / "convs.jsonl", train_rows[:6])
     run_extract(ExtractConfig(cache=str(tmp_path / "cache"), data=[str(data)], num_shards=2), None, progress=False)
     monkeypatch.undo()
-    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    manifest = manifest_json(tmp_path / "cache")
     assert {r["kernels"]["path"] for r in manifest["shards"].values()} == {"unknown"}
     report = run_verify(tmp_path / "cache", tail_rate=0)
     provenance = next(c for c in report["checks"] if c["check"] == "provenance")

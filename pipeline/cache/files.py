@@ -7,7 +7,6 @@ import fcntl
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -59,36 +58,6 @@ def write_json_atomic(path: Path, data) -> None:
         raise PipelineError(f"{path}: write failed ({describe_os_error(e)}); the previous version is intact") from None
 
 
-def link_refused(path) -> PipelineError:
-    return PipelineError(f"{path}: is a symbolic link; a cache holds regular files only")
-
-
-def regular_files(root: Path) -> list[Path]:
-    """Every file under root, sorted. A cache is untrusted input: a symbolic link (which could
-    point at /dev/zero or outside the cache) or any other non-regular entry is refused, never
-    followed."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            mode = path.lstat().st_mode
-            if stat.S_ISLNK(mode):
-                raise link_refused(path)
-            if name in filenames:
-                if not stat.S_ISREG(mode):
-                    raise PipelineError(f"{path}: is not a regular file")
-                found.append(path)
-    return sorted(found)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def digest_of_files(files: dict[str, tuple[int, str]]) -> str:
     """One digest for a set of files from their (relative path, size, sha256): what the manifest
     records for a shard. Derived from per-file digests, so the writer never re-reads a file and
@@ -98,11 +67,6 @@ def digest_of_files(files: dict[str, tuple[int, str]]) -> str:
         size, sha = files[rel]
         h.update(f"{rel}\0{size}\0{sha}\n".encode())
     return h.hexdigest()
-
-
-def hash_files(root: Path, files: list[Path]) -> dict[str, tuple[int, str]]:
-    """{relative path: (size, sha256)} of files under root, read from disk."""
-    return {p.relative_to(root).as_posix(): (p.stat().st_size, file_sha256(p)) for p in files}
 
 
 class FileLock:

@@ -107,6 +107,7 @@ class S3Location(Location):
         self.store = self._make_store(self.prefix)
         self._obstore = obstore
         self._pool: ThreadPoolExecutor | None = None
+        self._stores: dict = {}
 
     def _make_store(self, prefix: str):
         import obstore.store
@@ -195,7 +196,9 @@ class S3Location(Location):
     def zarr_store(self, prefix: str, *, read_only: bool):
         from zarr.storage import ObjectStore
         inner = "/".join(p for p in (self.prefix, prefix.strip("/")) if p)
-        return ObjectStore(self._make_store(inner), read_only=read_only)
+        if inner not in self._stores:  # one client (and connection pool) per prefix, reused
+            self._stores[inner] = self._make_store(inner)
+        return ObjectStore(self._stores[inner], read_only=read_only)
 
     def ensure_root(self) -> None:
         """Fails in one line on a missing bucket, refused credentials or an unreachable endpoint."""

@@ -79,7 +79,11 @@ class ShardWriter:
         location.delete_prefix(self.prefix)  # a crashed earlier attempt: redo, never append to it
         self.store = DigestingStore(location.zarr_store(self.prefix, read_only=False))
         self.group = zarr.open_group(self.store, mode="w", zarr_format=3)
-        self.attrs = dict(attrs or {})
+        self.attrs = dict(attrs or {})  # stored in the shard (its group's zarr.json) and in its record
+        # Stored in the commit record only: how this run was laid out and where it ran. Kept out of
+        # the shard's files so that the shard's digest depends on its content alone, not on how
+        # many nodes or processes wrote the cache (DESIGN 11).
+        self.run_record: dict = {}
         self.codecs = [ZstdCodec(level=zstd_level), Crc32cCodec()]
         self.specs = {s.name: s for s in array_specs(hidden_format)}
         self.num_tokens = num_tokens
@@ -156,6 +160,7 @@ class ShardWriter:
             **self.attrs,
         }
         self.group.attrs.update({"shard": shard_name(self.index), **record})
+        record.update(self.run_record)
         files = dict(self.store.written)
         synced = time.perf_counter()
         self.location.make_durable([self.prefix + key for key in files])
