@@ -8,10 +8,12 @@ started on 127.0.0.1 (loopback: no network latency, and the server shares this m
 then reads every sample's taps through the real ShardReader in a shuffled order, the two
 locations interleaved per round. Reports the decoded rate (GB/s of raw taps), the client's CPU
 seconds per GB (process CPU time: decoding, CRC32C and, for the bucket, the HTTP client), and per
-request costs: the time to first byte of a small range read and a whole inner chunk's read on
-loopback. From those it projects how many requests must be in flight to feed 1.3 GB/s of raw taps
-per GPU (DESIGN 11) at a 50 ms first-byte latency (Little's law): a projection, not a measurement
-against a real store.
+request costs on loopback: wall time and client CPU time of a 4 KB range read and of one inner
+chunk's range. moto is a Python server on the same cores, so the bucket's wall-clock rate here is
+moto's, not S3's; the client's CPU per GB is the transferable number. From it, and Little's law,
+the script projects the requests that must be in flight to feed 1.3 GB/s of raw taps per GPU
+(DESIGN 11) at a 50 ms first-byte latency, for a few per-connection rates: a projection, not a
+measurement against a real store.
 """
 
 from __future__ import annotations
@@ -75,20 +77,34 @@ def read_all(location, order: list[int]) -> tuple[float, float, int]:
 
 
 def request_costs(location, key: str, size: int, chunk: int, repeats: int = 30) -> dict:
-    """Seconds to first byte (a 4 KB range) and for one whole chunk-sized range, on loopback."""
-    small, whole = [], []
-    for i in range(repeats):
-        offset = (i * 7919 * 4096) % max(size - chunk, 1)
-        t = time.perf_counter()
-        location.read_ranges(key, [(offset, offset + 4096)])
-        small.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        location.read_ranges(key, [(offset, offset + chunk)])
-        whole.append(time.perf_counter() - t)
-    first_byte = statistics.median(small)
-    per_chunk = statistics.median(whole)
-    return {"first_byte_s": first_byte, "chunk_bytes": chunk, "chunk_s": per_chunk,
-            "stream_bytes_per_s": chunk / max(per_chunk - first_byte, 1e-9)}
+    """Median wall and client CPU seconds of a 4 KB range read and of a chunk-sized one."""
+    out = {}
+    for name, length in (("small", 4096), ("chunk", chunk)):
+        wall, cpu = [], []
+        for i in range(repeats):
+            offset = (i * 7919 * 4096) % max(size - length, 1)
+            t, c = time.perf_counter(), time.process_time()
+            location.read_ranges(key, [(offset, offset + length)])
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+        out[name] = {"bytes": length, "wall_s": statistics.median(wall), "client_cpu_s": statistics.median(cpu)}
+    return out
+
+
+def projection(cpu_s_per_gb: float) -> dict:
+    """Little's law at the flagship rate: in flight = requests/s x seconds per request, where a
+    request takes the first-byte latency plus its bytes at the per-connection rate. The reader
+    asks for a sample's chunks of one file in one call whose adjacent ranges are coalesced, so a
+    request is about one sample's taps (3,072 tokens x 51,200 B = 157 MB); uncoalesced, an inner
+    chunk (64 tokens, 3.3 MB)."""
+    rows = []
+    for request in (3072 * FLAGSHIP_TOKEN_BYTES, 64 * FLAGSHIP_TOKEN_BYTES):
+        per_s = FLAGSHIP_RATE / request
+        for per_connection in (50e6, 100e6, 200e6):
+            rows.append({"request_bytes": request, "per_connection_bytes_per_s": per_connection,
+                         "requests_per_s": per_s, "in_flight": per_s * (LATENCY + request / per_connection)})
+    return {"rows": rows, "client_cores": cpu_s_per_gb * FLAGSHIP_RATE / 1e9,
+            "note": "projection: 50 ms first byte and the per-connection rates are assumptions, not measured"}
 
 
 def main() -> None:
@@ -147,17 +163,7 @@ def main() -> None:
 
     result = {"tokens": args.tokens, "hidden": args.hidden, "samples": samples, "rounds": args.rounds,
               "directory": summary("directory"), "bucket": summary("bucket"), "requests": costs}
-    # Projection (Little's law): a flagship inner chunk is 64 tokens x 51,200 bytes (~3.3 MB raw);
-    # each request takes the first-byte latency plus its transfer at the per-stream rate measured here.
-    flagship_chunk = 64 * FLAGSHIP_TOKEN_BYTES
-    requests_per_s = FLAGSHIP_RATE / flagship_chunk
-    transfer = flagship_chunk / costs["stream_bytes_per_s"]
-    result["projection"] = {
-        "requests_per_s": requests_per_s,
-        "in_flight_at_50ms": requests_per_s * (LATENCY + transfer),
-        "in_flight_latency_only": requests_per_s * LATENCY,
-        "client_cores_at_1.3GB_s": result["bucket"]["cpu_s_per_gb"] * FLAGSHIP_RATE / 1e9,
-        "note": "projection from costs measured on loopback: 50 ms first byte assumed, not measured"}
+    result["projection"] = projection(result["bucket"]["cpu_s_per_gb"])
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -165,11 +171,14 @@ def main() -> None:
         s = result[name]
         print(f"{name:10s} read {s['gb_per_s']:.3f} GB/s of raw taps, {s['cpu_s_per_gb']:.2f} CPU s/GB, "
               f"write {s['write_s']:.2f} s")
-    print(f"requests: first byte {costs['first_byte_s'] * 1e3:.2f} ms, chunk {chunk_bytes / 1e6:.2f} MB in "
-          f"{costs['chunk_s'] * 1e3:.1f} ms ({costs['stream_bytes_per_s'] / 1e9:.2f} GB/s per stream)")
+    for name, c in costs.items():
+        print(f"request {name:5s} {c['bytes'] / 1e6:8.3f} MB: {c['wall_s'] * 1e3:7.1f} ms wall, "
+              f"{c['client_cpu_s'] * 1e3:6.2f} ms client CPU")
     p = result["projection"]
-    print(f"projection at 1.3 GB/s per GPU: {p['requests_per_s']:.0f} chunk requests/s, {p['in_flight_at_50ms']:.0f} in "
-          f"flight at 50 ms first byte, {p['client_cores_at_1.3GB_s']:.2f} client cores")
+    for row in p["rows"]:
+        print(f"projection: {row['request_bytes'] / 1e6:6.1f} MB requests at {row['per_connection_bytes_per_s'] / 1e6:.0f} "
+              f"MB/s per connection: {row['requests_per_s']:6.1f}/s, {row['in_flight']:5.1f} in flight")
+    print(f"projection: {p['client_cores']:.2f} client cores per GPU at 1.3 GB/s (decode + HTTP, this machine's cores)")
 
 
 if __name__ == "__main__":
