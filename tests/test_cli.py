@@ -53,7 +53,7 @@ def test_help_texts_survive_rich_markup():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--cache", "{tmp}/nope"], "{tmp}/nope: no manifest.json"),
+    (["--cache", "{tmp}/nope"], "{tmp}/nope: no such cache directory"),
     (["--cache", "{tmp}", "--loss", "mse"], "loss must be 'ce' or 'kl', got 'mse'"),
     (["--cache", "{tmp}", "--batch-sequences", "0"], "batch_sequences must be >= 1, got 0"),
     (["--cache", "{tmp}", "--preset", "huge"], "unknown preset 'huge'; available: qwen3.6-27b, tiny"),
