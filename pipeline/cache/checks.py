@@ -111,7 +111,7 @@ def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Chec
         if not reader.present(name):
             continue  # reported by check_structure
         try:
-            on_disk = hash_shard(reader.location, name, reader.listing)
+            on_disk = hash_shard(reader.location, name, reader.files(name))
             listed = read_digests(reader.location, name)
         except PipelineError as e:
             bad.append(f"{name} ({e})")

@@ -67,20 +67,21 @@ def read_digests(location: Location, name: str) -> FileDigests:
     return parse_record(raw, location.where(key))[0]
 
 
-def hash_shard(location: Location, name: str, listing: dict[str, int] | None = None) -> FileDigests:
+def hash_shard(location: Location, name: str, files: dict[str, int] | None = None) -> FileDigests:
     """Every file of a shard but digests.json, re-hashed streaming from where it lives (no local
-    copy of a remote cache)."""
+    copy of a remote cache). `files`: the shard's {relative path: size}, when the caller has it."""
     prefix = f"{name}/"
-    keys = [k for k in (location.listing(prefix) if listing is None else listing) if k.startswith(prefix)]
+    if files is None:
+        files = {k[len(prefix):]: v for k, v in location.listing(prefix).items()}
 
-    def one(key: str) -> tuple[str, tuple[int, str]]:
+    def one(rel: str) -> tuple[str, tuple[int, str]]:
         h, size = hashlib.sha256(), 0
-        for block in location.stream(key):
+        for block in location.stream(prefix + rel):
             h.update(block)
             size += len(block)
-        return key[len(prefix):], (size, h.hexdigest())
+        return rel, (size, h.hexdigest())
 
-    return dict(location.map(one, [k for k in keys if k != prefix + DIGESTS]))
+    return dict(location.map(one, [rel for rel in files if rel != DIGESTS]))
 
 
 def mismatch(files: FileDigests, present: dict[str, int]) -> str | None:

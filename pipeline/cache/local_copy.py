@@ -124,11 +124,8 @@ class LocalCopies(Location):
     def check_reachable(self) -> None:
         self.inner.check_reachable()
 
-    def put(self, key, data):
-        raise PipelineError(f"{self.where(key)}: a cache read through --cache-local is read-only")
-
     def put_if_absent(self, key, data):
-        return self.put(key, data)
+        raise PipelineError(f"{self.where(key)}: a cache read through --cache-local is read-only")
 
     def delete_prefix(self, prefix):
         raise PipelineError(f"{self.where(prefix)}: a cache read through --cache-local is read-only")

@@ -4,8 +4,8 @@ A cache is addressed by a location string: a path, `file://PATH`, or `s3://BUCKE
 Everything the cache code does to storage goes through `Location`, with keys relative to the
 cache's root ('manifest.json', 'shard-00003/hidden/c.0.0.0'):
 
-- whole-object writes (`put`), and a create-if-absent write (`put_if_absent`), the only
-  primitive the commit protocol needs: no rename of a directory, no lock;
+- a create-if-absent write of a whole object (`put_if_absent`), the only primitive the commit
+  protocol needs: no rename of a directory, no lock (Zarr writes the shard's files through its store);
 - a recursive listing with sizes (`listing`), whole reads, range reads (`read_ranges`, adjacent
   ranges coalesced by the backend), streaming reads for hashing (`stream`);
 - a Zarr store rooted at a key prefix (`zarr_store`), so writer and reader use Zarr on both.
@@ -50,10 +50,6 @@ class Location:
 
     def stream(self, key: str) -> Iterator[bytes]:
         """The object's bytes in blocks (hashing without a local copy)."""
-        raise NotImplementedError
-
-    def put(self, key: str, data: bytes) -> None:
-        """Write a whole object; readers see the old one or the new one, never a part."""
         raise NotImplementedError
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -133,18 +129,6 @@ class LocalLocation(Location):
         with open(self.path(key), "rb") as f:
             while block := f.read(STREAM_BLOCK):
                 yield block
-
-    def put(self, key: str, data: bytes) -> None:
-        path = self.path(key)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_synced(tmp, data)
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise PipelineError(f"{path}: write failed ({describe_os_error(e)})") from None
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """A hard link of a finished temporary: atomic, and refused when the name exists, on

@@ -158,9 +158,6 @@ class S3Location(Location):
         except Exception as e:  # noqa: BLE001
             raise self._fail("read", key, e) from None
 
-    def put(self, key: str, data: bytes) -> None:
-        self._call("write", key, self._obstore.put, self.store, key, data)
-
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """S3's conditional PUT (If-None-Match: *): the store decides, for every writer at once."""
         try:
