@@ -7,13 +7,11 @@ import pytest
 import torch
 from extract_helpers import cli, small_cache
 
-from pipeline.config import ExtractConfig
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.speculative.decode import block_decode, greedy
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.speculative.tree import build_tree
 from stages.eval import read_prompts, run_eval
-from stages.extract import run_extract
 from stages.train import frozen_target_modules, resolve_config, run_train
 
 EOS = {498}
@@ -39,19 +37,19 @@ def prompts(tokenizer, embedded):
     return read_prompts(embedded.HELDOUT_DATA, tokenizer, None)
 
 
-PROMPTS = 100  # of the 200 held-out prompts: the eval fixture was the suite's slowest (94 s at 200)
+PROMPTS = 64  # of the 200 held-out prompts: the eval fixture was the suite's slowest (94 s at 200, 96 at 100)
 
 
 @pytest.fixture(scope="module")
-def full_eval(trained, embedded, tmp_path_factory):
-    """One eval over the first 100 of the 200 held-out prompts (suite time; greedy, block, DDTree 16;
+def full_eval(trained, heldout_rows, tmp_path_factory):
+    """One eval over the first 64 of the 200 held-out prompts (suite time; greedy, block, DDTree 16;
     8 prompts per verify pass:
     the single-prompt decoders are checked against these step by step, and on the odd prompts),
-    plus the teacher-forced metrics on a cache of the same conversations."""
-    heldout = tmp_path_factory.mktemp("heldout") / "cache"
-    run_extract(ExtractConfig(cache=str(heldout), data=[str(embedded.HELDOUT_DATA)], num_shards=2), None, progress=False)
-    return run_eval(trained, target=None, prompts=None, max_new_tokens=96, block_size=None, tree_budgets=[16],
-                    tree_top_k=8, limit=PROMPTS, cache=heldout, batch_size=8)
+    plus the teacher-forced metrics on a cache of the same 64 conversations."""
+    root = tmp_path_factory.mktemp("heldout")
+    heldout = small_cache(root, heldout_rows[:PROMPTS], 2)
+    return run_eval(trained, target=None, prompts=root / "convs.jsonl", max_new_tokens=96, block_size=None,
+                    tree_budgets=[16], tree_top_k=8, limit=PROMPTS, cache=heldout, batch_size=8)
 
 
 def test_block_and_tree_decoding_equal_greedy_on_every_evaluated_prompt(full_eval):

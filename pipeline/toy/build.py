@@ -58,16 +58,21 @@ def build_model(tokenizer, *, seed: int, num_steps: int, log=print):
     return model, stats
 
 
-def build_dataset(model, tokenizer, *, seed: int) -> tuple[dict[str, list[dict]], dict]:
+def build_dataset(model, tokenizer, *, seed: int, first: int | None = None) -> tuple[dict[str, list[dict]], dict]:
     """({split: rows}, stats); each row is {"id", "messages"} with target-generated assistant turns.
     stats: per split, how many conversations were dropped and how often the target's answer
-    equals the task's ground truth (user turns are unchanged, so turn k answers the same prompt)."""
+    equals the task's ground truth (user turns are unchanged, so turn k answers the same prompt).
+    `first`: regenerate only the first N drawn conversations of each split (a reproducibility
+    check: its rows are the first rows of the full build's split); None builds the kit."""
     out, stats = {}, {}
     for split, split_seed, count in (("train", seed + 3, NUM_TRAIN), ("heldout", seed + 4, NUM_HELDOUT)):
         truth = tasks.conversations(split_seed, int(count * (1 + SPARE)))
+        if first is not None and first < len(truth):
+            truth = truth[:first]
+            count = min(count, first)
         generated = regenerate(model, tokenizer, truth)
         pairs = [(t, g) for t, g in zip(truth, generated) if g is not None]
-        if len(pairs) < count:
+        if len(pairs) < count and first is None:
             raise RuntimeError(f"only {len(pairs)} of {len(truth)} {split} conversations ended; need {count}")
         pairs = pairs[:count]
         out[split] = [{"id": f"{split}-{i:05d}", "messages": g} for i, (_, g) in enumerate(pairs)]
