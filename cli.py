@@ -156,6 +156,8 @@ def train(
     cache_local: Annotated[Optional[str], typer.Option(help="For an s3:// cache: copy each file to this local directory on first read, so later epochs read the copies.")] = None,
     cache_local_size: Annotated[Optional[str], typer.Option(help="Most bytes kept under --cache-local, e.g. 500G (least recently used copies deleted; default 100G).")] = None,
     mask_token: Annotated[Optional[str], typer.Option(help="The drafter's mask token: an integer id or a token of the target's tokenizer, reserved and never in the data (default: the preset's; '<|MASK|>' for the embedded target, 248070 for Qwen3.6).")] = None,
+    report_to: Annotated[Optional[str], typer.Option(help="Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio (each an optional extra; default none). README: Watching a run.")] = None,
+    verdict_every: Annotated[Optional[int], typer.Option(help="Log lines between live verdict checks (loss flat, plateau, spikes, known bug signatures; default 5).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
@@ -172,7 +174,8 @@ def train(
                  "num_hidden_layers": num_hidden_layers, "loss": loss, "noise_std": noise_std, "dtype": dtype,
                  "attention": attention, "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
                  "allow_mixed_provenance": allow_mixed_provenance, "allow_incomplete_cache": allow_incomplete_cache,
-                 "cache_local": cache_local, "cache_local_size": cache_local_size,
+                 "cache_local": cache_local, "cache_local_size": cache_local_size, "report_to": report_to,
+                 "verdict_every": verdict_every,
                  "mask_token": int(mask_token) if mask_token is not None and mask_token.strip().isdigit() else mask_token}
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = int(os.environ.get("RANK", "0")) == 0

@@ -185,8 +185,15 @@ class TrainConfig:
     # deleted past the size (bytes, or with a K/M/G/T suffix): later epochs read the copies.
     cache_local: str | None = None
     cache_local_size: str = "100G"
+    # Watching the run: experiment trackers (any of tensorboard, wandb, mlflow, trackio; rank 0
+    # reports) and the live verdicts (pipeline/report/live.py), checked every `verdict_every` log lines.
+    report_to: list[str] = field(default_factory=list)
+    verdict_every: int = 5
 
     def __post_init__(self):
+        from pipeline.tracking import parse_report_to
+
+        self.report_to = parse_report_to(self.report_to)
         checks = [
             (self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}"),
             (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}"),
@@ -214,6 +221,7 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.prefetch >= 1, f"prefetch must be >= 1, got {self.prefetch}"),
             (self.loader_workers >= 0, f"loader_workers must be >= 0, got {self.loader_workers}"),
+            (self.verdict_every >= 1, f"verdict_every must be >= 1, got {self.verdict_every}"),
             (parse_size(self.cache_local_size) is not None,
              f"cache_local_size must be a byte count such as 500G, got {self.cache_local_size!r}"),
         ]

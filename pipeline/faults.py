@@ -49,3 +49,20 @@ def failpoint(name: str) -> None:
                 except FileExistsError:
                     return
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+
+
+# Planted training faults, so tests can show that the live verdicts (pipeline/report/live.py)
+# fire on a real run. `PIPELINE_PLANT=random_labels` replaces every label with a random token
+# (labels that do not follow from the inputs, as labels taken from a noisy copy of the features
+# are: DESIGN 3.2); `PIPELINE_PLANT=lr_blowup` multiplies the learning rate by 1000 from step
+# LR_BLOWUP_STEP on (a diverging run). Outside tests the variable is unset.
+PLANT_ENV = "PIPELINE_PLANT"
+PLANTS = ("random_labels", "lr_blowup")
+LR_BLOWUP_STEP = 20
+
+
+def planted() -> str | None:
+    name = os.environ.get(PLANT_ENV) or None
+    if name is not None and name not in PLANTS:
+        raise ValueError(f"{PLANT_ENV}: unknown plant {name!r}; one of {', '.join(PLANTS)}")
+    return name

@@ -39,12 +39,15 @@ from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path
 from pipeline.drafter.step import StepRunner, all_sum, autocast_dtype
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.errors import PipelineError
+from pipeline.report.live import LiveVerdicts, Verdict
+from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.target import TargetFacts, identity_claims, read_target_facts, resolve_target
 
 # Options that may change between a checkpoint and its resume without changing the result
 # (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
 RESUMABLE_CHANGES = {"out", "cache", "cache_local", "cache_local_size", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
-                     "loader_workers", "allow_mixed_provenance", "allow_incomplete_cache", "micro_batch_sequences"}
+                     "loader_workers", "allow_mixed_provenance", "allow_incomplete_cache", "micro_batch_sequences",
+                     "report_to", "verdict_every"}
 
 
 # --------------------------------------------------------------------------- configuration
@@ -280,6 +283,8 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
               warn=print) -> dict:
     """Train; returns a summary. `view` receives progress (None: silent)."""
     rank, world = init_distributed()
+    for name in cfg.report_to:  # a missing extra is one line before anything loads
+        tracker_class(name).check_installed()
     hazard = elastic_restart_hazard()
     if hazard and rank == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         warn(hazard)
@@ -332,6 +337,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _trim_log(out / "train_log.jsonl", step)
+        _trim_log(out / "verdicts.jsonl", step)
         write_json_atomic(out / "run.json", {
             "config": asdict(cfg), "target": str(target_dir), "target_config_sha256": facts.config_sha256,
             "target_weights": manifest.identity.target.weights,   # the weights whose predictions the drafter learns
@@ -350,7 +356,19 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
     trainer.model = model
 
-    log_file = open(out / "train_log.jsonl", "a", encoding="utf-8") if rank == 0 else None
+    verdicts = LiveVerdicts(total_steps=plan.total_steps, warmup_steps=plan.warmup_steps, peak_lr=cfg.lr,
+                            vocab_size=config.vocab_size, every=cfg.verdict_every)
+    fired: list[Verdict] = []
+    trackers = Trackers([])
+    log_file = None
+    if rank == 0:
+        for record in _logged(out / "train_log.jsonl"):  # a resumed run: the causes that fired before stay fired
+            verdicts.observe(record)
+        if cfg.report_to:
+            trackers = open_trackers(cfg.report_to, run_dir=out, run_name=out.resolve().name, start_step=step,
+                                     params={"config": asdict(cfg), "cache": identity, "plan": asdict(plan),
+                                             "drafter": asdict(config), "world_size": world}, warn=warn)
+        log_file = open(out / "train_log.jsonl", "a", encoding="utf-8")
     t_start, interval = time.perf_counter(), _Interval()
     last: dict = {}
     if view:
@@ -378,6 +396,12 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
                         if log_file:
                             log_file.write(json.dumps(last) + "\n")
                             log_file.flush()
+                            trackers.log(last)
+                            for verdict in verdicts.observe(last):
+                                fired.append(verdict)
+                                warn(verdict.line())
+                                trackers.event(verdict.step, verdict.cause, verdict.message, verdict.figure)
+                                _append_json(out / "verdicts.jsonl", asdict(verdict))
                         interval = _Interval()
                     if view:
                         view.update(step, last if logging else None)
@@ -390,22 +414,25 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
                 items.close()
             if position + cfg.batch_sequences > plan.samples_per_epoch:
                 epoch, position = epoch + 1, 0
+        if rank == 0:
+            drafter.eval()
+            export_drafter(drafter, out / "drafter", dtype=autocast_dtype(cfg, device))
+            trackers.artifact(out / "drafter")
     finally:
         if log_file:
             log_file.close()
+        trackers.close()
         if view:
             view.stop()
     if not last:
         last = _last_logged(out / "train_log.jsonl")
-    if rank == 0:
-        drafter.eval()
-        export_drafter(drafter, out / "drafter", dtype=autocast_dtype(cfg, device))
     if world > 1:
         dist.barrier()
     return {"steps": step, "total_steps": plan.total_steps, "epochs": round(step / plan.steps_per_epoch, 3),
             "last": last, "out": str(out), "drafter": str(out / "drafter"), "world_size": world,
             "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "wall_s": round(time.perf_counter() - t_start, 2), "resumed": bool(found),
+            "verdicts": [v.line() for v in fired], "report_to": cfg.report_to,
             "resumed_from_step": start_step if found else None}
 
 
@@ -468,6 +495,23 @@ def _check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) 
     if state.get("cache") != identity:
         raise PipelineError(f"{path}: cannot resume, the cache differs from the one this run trained on "
                             "(taps, data or shard digests changed)")
+
+
+def _logged(path: Path) -> list[dict]:
+    """The log's records (a torn last line left out)."""
+    records = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
+
+
+def _append_json(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _last_logged(path: Path) -> dict:

@@ -55,6 +55,7 @@ def small_cache(root: Path, rows: list[dict], num_shards: int) -> Path:
 def cli(*args: str, env: dict | None = None, timeout: int = 600, preexec_fn=None) -> subprocess.CompletedProcess:
     """Run `python -m cli ...` in a subprocess, as a user would run `pipeline ...`."""
     full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None in `env`: unset it
     return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=full_env,
                           timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
 

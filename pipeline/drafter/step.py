@@ -26,6 +26,7 @@ from pipeline.drafter.batch import (
 from pipeline.drafter.loss import supervised_loss
 from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.errors import PipelineError
+from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
 
 
@@ -59,6 +60,7 @@ class StepRunner:
         self.model = drafter
         self.autocast = autocast_dtype(cfg, device)
         self._tokens = 0
+        self.plant = planted()  # None outside the tests that plant a bug on purpose
 
     def preparer(self, epoch: int):
         cfg, config = self.cfg, self.drafter.config
@@ -76,8 +78,9 @@ class StepRunner:
         return self.cfg.noise_std
 
     def lr(self, step: int) -> float:
-        return warmup_cosine(step, peak=self.cfg.lr, warmup=self.plan.warmup_steps, total=self.plan.total_steps,
-                             floor=self.cfg.min_lr_ratio)
+        lr = warmup_cosine(step, peak=self.cfg.lr, warmup=self.plan.warmup_steps, total=self.plan.total_steps,
+                           floor=self.cfg.min_lr_ratio)
+        return lr * 1000 if self.plant == "lr_blowup" and step >= LR_BLOWUP_STEP else lr
 
     def _autocast(self):
         if self.autocast is None:
@@ -113,6 +116,8 @@ class StepRunner:
         if std > 0:
             for sid, seq in items:
                 seq.hidden = seq.hidden + std * torch.randn(seq.hidden.shape, generator=noise_generator(self.cfg.seed, step, sid))
+        if self.plant == "random_labels":
+            _random_labels(items, self.drafter.config.vocab_size, seed=self.cfg.seed, step=step)
         tokens = sum(seq.num_tokens for _, seq in items)
         local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
         global_w = float(all_sum(local_w.clone(), self.world, self.device))
@@ -163,3 +168,13 @@ def _empty_sums(block_size: int) -> dict:
     return {"supervised": z, "top1": z, "top4": z, "top8": z, "blocks": z, "streak1": z, "streak4": z, "streak8": z,
             "slot_hits": torch.zeros(block_size, dtype=torch.float64),
             "slot_count": torch.zeros(block_size, dtype=torch.float64)}
+
+
+
+def _random_labels(items: list, vocab: int, *, seed: int, step: int) -> None:
+    """The test-only planted fault `random_labels` (pipeline.faults.planted)."""
+    for sid, seq in items:
+        generator = noise_generator(seed + 1, step, sid)
+        seq.labels = torch.randint(vocab, seq.labels.shape, generator=generator)
+        if seq.soft_ids is not None:
+            seq.soft_ids = torch.randint(vocab, seq.soft_ids.shape, generator=generator)

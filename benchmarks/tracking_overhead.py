@@ -1,0 +1,98 @@
+"""What `--report-to tensorboard,wandb,mlflow,trackio` costs a training run.
+
+    python benchmarks/tracking_overhead.py [--steps 60] [--log-every 1] [--rounds 2] [--rows 160] [--json]
+
+Trains the tiny preset on a cache of the embedded training conversations, without trackers and
+with all four (offline, files under a temporary folder), the two arms interleaved per round in
+one process. Training tokens/s of an arm = the tokens of the steps between its first and last log
+line / the wall time between them (the log's elapsed_s): every tracker call in between is inside
+that time, the trackers' start (imports, W&B's service) and close are not. `--log-every 1` is
+the worst case: every step reports. The headline is the ratio of the medians with and without,
+and every round's ratio is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "tests"))
+
+from benchmarks.cli_args import at_least_one  # noqa: E402
+
+ALL = "tensorboard,wandb,mlflow,trackio"
+
+
+def one_run(cache: Path, out: Path, *, steps: int, log_every: int, report_to: str | None) -> dict:
+    from stages.train import resolve_config, run_train
+
+    cfg, preset = resolve_config(None, {"cache": str(cache), "out": str(out), "max_steps": steps,
+                                        "log_every": log_every, "report_to": report_to})
+    t0 = time.perf_counter()
+    run_train(cfg, preset_target=preset, warn=lambda *_: None)
+    total = time.perf_counter() - t0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    first, last = log[0], log[-1]
+    # Each step trains the same tokens in both arms (same data, seed and anchors), so the ratio of
+    # steps/s is the ratio of tokens/s.
+    steps_between = last["step"] - first["step"]
+    seconds = last["elapsed_s"] - first["elapsed_s"]
+    return {"steps_timed": steps_between, "seconds": seconds, "steps_per_s": steps_between / seconds,
+            "wall_s": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="Training steps per run.")
+    parser.add_argument("--log-every", type=int, default=1, help="Steps between log lines (1: every step reports).")
+    parser.add_argument("--rounds", type=int, default=2, help="Rounds; each trains once without and once with trackers.")
+    parser.add_argument("--rows", type=int, default=160, help="Training conversations in the cache.")
+    parser.add_argument("--json", action="store_true", help="Print one JSON document.")
+    args = parser.parse_args()
+    at_least_one(parser, args, "steps", "log_every", "rounds", "rows")
+
+    from extract_helpers import small_cache
+
+    from pipeline import embedded
+
+    rows = [json.loads(x) for x in embedded.TRAIN_DATA.read_text().splitlines()[:args.rows]]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        os.environ.update({"TRACKIO_DIR": str(root / "trackio"), "WANDB_DIR": str(root),
+                           "WANDB_CONFIG_DIR": str(root / "wandb-config"), "WANDB_CACHE_DIR": str(root / "wandb-cache"),
+                           "WANDB_DATA_DIR": str(root / "wandb-data")})
+        for key in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_API_KEY"):
+            os.environ.pop(key, None)
+        cache = small_cache(root, rows, 2)
+        rounds = []
+        for r in range(args.rounds):
+            without = one_run(cache, root / f"plain-{r}", steps=args.steps, log_every=args.log_every, report_to=None)
+            with_all = one_run(cache, root / f"tracked-{r}", steps=args.steps, log_every=args.log_every, report_to=ALL)
+            rounds.append({"round": r + 1, "without_steps_per_s": without["steps_per_s"],
+                           "with_steps_per_s": with_all["steps_per_s"],
+                           "ratio": with_all["steps_per_s"] / without["steps_per_s"],
+                           "with_wall_s": with_all["wall_s"], "without_wall_s": without["wall_s"]})
+    ratio = statistics.median(x["with_steps_per_s"] for x in rounds) / statistics.median(x["without_steps_per_s"] for x in rounds)
+    result = {"steps": args.steps, "log_every": args.log_every, "trackers": ALL, "rounds": rounds,
+              "ratio_of_medians": ratio}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'round':>5} {'without steps/s':>16} {'with steps/s':>13} {'ratio':>6} {'wall without':>13} {'wall with':>10}")
+    for x in rounds:
+        print(f"{x['round']:>5} {x['without_steps_per_s']:>16.3f} {x['with_steps_per_s']:>13.3f} {x['ratio']:>6.3f} "
+              f"{x['without_wall_s']:>12.1f}s {x['with_wall_s']:>9.1f}s")
+    print(f"training tokens/s with all four trackers / without: {ratio:.3f} (median of {len(rounds)} rounds; "
+          f"every step logged: --log-every {args.log_every})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Experiment trackers for `pipeline train --report-to tensorboard,wandb,mlflow,trackio`.
+
+Each tracker is an optional extra; one that is named but not installed is a one-line error naming
+the extra before any training starts. Every tracker gets the same things: every key of each
+train_log.jsonl line (DESIGN 4) as a scalar under `train/` at that line's step (`pos_acc` as one
+scalar per slot, `train/pos_acc/slot_K`), the run's resolved config and cache identity as
+parameters, a text event per live verdict, and the drafter export as an artifact where the tracker
+keeps artifacts (MLflow, W&B). Only rank 0 reports.
+
+Where each writes (all offline-capable; nothing needs a network unless the user asks for it):
+- tensorboard: event files under RUN/tensorboard (`tensorboard --logdir RUN/tensorboard`).
+- mlflow: $MLFLOW_TRACKING_URI if set, else a file store at RUN/mlruns.
+- wandb: $WANDB_MODE if set; else online when an API key is configured, offline (RUN/wandb,
+  `wandb sync` later) when not.
+- trackio: trackio's local store ($TRACKIO_DIR, else trackio's default), project = run name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+SCALAR_PREFIX = "train/"
+# Written beside the run so a resumed run continues the same tracker runs.
+IDS_FILE = "trackers.json"
+
+
+def parse_report_to(value: str | list[str] | None) -> list[str]:
+    """'tensorboard,mlflow' -> ['tensorboard', 'mlflow']; '' / 'none' / None -> []."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else value.split(",")
+    names = [str(x).strip().lower() for x in items if str(x).strip()]
+    if names in (["none"], []):
+        return []
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise PipelineError(f"report_to: unknown tracker {', '.join(map(repr, unknown))}; choose from {', '.join(TRACKERS)}")
+    return list(dict.fromkeys(names))
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A train_log.jsonl line as tracker scalars: numbers under `train/KEY`, the per-slot accuracy
+    list as `train/pos_acc/slot_K` (K = the slot, 1-based as DESIGN numbers slots), step left out
+    (it is the x axis), non-finite numbers kept (trackers draw them as gaps or markers)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)):
+            out[SCALAR_PREFIX + key] = float(value)
+        elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+            for k, v in enumerate(value, 1):
+                out[f"{SCALAR_PREFIX}{key}/slot_{k}"] = float(v)
+    return out
+
+
+def flat_params(params: dict, prefix: str = "") -> dict:
+    """Nested config -> {'config.lr': 0.0006, 'cache.capture.target_layer_ids': '[1, 3, 5]', ...}:
+    numbers, strings, booleans and None kept, lists and empty dicts as JSON text (trackers that
+    store parameters as text get str() of each)."""
+    out: dict = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flat_params(value, name + "."))
+        elif value is None or isinstance(value, (str, int, float, bool)):
+            out[name] = value
+        else:
+            out[name] = json.dumps(value, default=str)
+    return out
+
+
+class Trackers:
+    """Every tracker the run reports to; a no-op when there are none (or on ranks other than 0).
+    A tracker that fails mid-run (its service gone, its store locked) is one warning and is
+    dropped: a days-long training run does not die for its dashboard."""
+
+    def __init__(self, backends: list, warn=None):
+        self.backends = backends
+        self.warn = warn or (lambda *_: None)
+
+    def __bool__(self) -> bool:
+        return bool(self.backends)
+
+    def _each(self, action: str, call) -> None:
+        for backend in list(self.backends):
+            try:
+                call(backend)
+            except Exception as e:  # noqa: BLE001 - any tracker library error
+                self.backends.remove(backend)
+                self.warn(f"{backend.name}: {action} failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "no more reports to it in this run (train_log.jsonl has everything)")
+
+    def log(self, record: dict) -> None:
+        values = scalars(record)
+        self._each("logging", lambda b: b.log(int(record["step"]), values))
+
+    def event(self, step: int, cause: str, message: str, figure: float | None) -> None:
+        self._each("an event", lambda b: b.event(step, cause, message, figure))
+
+    def artifact(self, path: Path) -> None:
+        self._each("the drafter artifact", lambda b: b.artifact(Path(path)))
+
+    def close(self) -> None:
+        self._each("closing", lambda b: b.close())
+
+
+def tracker_class(name: str):
+    from pipeline.tracking import backends
+
+    return {"tensorboard": backends.TensorBoard, "wandb": backends.WandB, "mlflow": backends.MLflow,
+            "trackio": backends.Trackio}[name]
+
+
+def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dict, start_step: int,
+                  warn=None) -> Trackers:
+    """Start (or, on resume, continue) each named tracker's run. Import errors become one line
+    naming the extra; nothing is started unless every named tracker can start."""
+    for name in names:
+        tracker_class(name).check_installed()
+    run_dir = Path(run_dir)
+    ids_path = run_dir / IDS_FILE
+    try:
+        ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        ids = {}
+    flat = flat_params(params)
+    started = []
+    try:
+        for name in names:
+            started.append(tracker_class(name)(run_dir=run_dir, run_name=run_name, params=flat, start_step=start_step,
+                                        previous_id=ids.get(name)))
+    except Exception:
+        for backend in started:
+            backend.close()
+        raise
+    ids.update({b.name: b.run_id for b in started if b.run_id})
+    if ids:
+        ids_path.write_text(json.dumps(ids, indent=2) + "\n")
+    return Trackers(started, warn)

@@ -1,0 +1,218 @@
+"""One class per experiment tracker, each through the tracker's own library (imported only when
+the tracker is asked for: they are optional extras and slow to import). Each has
+log(step, scalars), event(step, cause, message, figure), artifact(path), close(), and `run_id`
+(what a resumed run needs to continue the same tracker run, or None)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import netrc
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+from pipeline.errors import PipelineError
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Trackers' INFO logging (database creation, migrations) kept off the user's terminal."""
+    logger = logging.getLogger("mlflow")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class _Backend:
+    name = ""
+    module = ""
+    run_id: str | None = None
+
+    @classmethod
+    def check_installed(cls) -> None:
+        # Imported, not only found: a broken install fails here too, before the model loads.
+        try:
+            importlib.import_module(cls.module)
+        except ImportError as e:
+            raise PipelineError(f'--report-to {cls.name} needs the optional extra: pip install "dflash-pipeline[{cls.name}]" '
+                                f"({e})") from None
+
+    def artifact(self, path: Path) -> None:  # trackers without artifacts keep nothing
+        pass
+
+
+class TensorBoard(_Backend):
+    """Event files under RUN/tensorboard. On resume, events past the resumed step are purged
+    (the resumed run logs those steps again), so the curves have no doubled stretch."""
+
+    name, module = "tensorboard", "tensorboard"
+
+    def __init__(self, *, run_dir: Path, run_name: str, params: dict, start_step: int, previous_id: str | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(run_dir) / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=start_step + 1 if start_step else None)
+        if not start_step:
+            table = "| parameter | value |\n|---|---|\n" + "".join(
+                f"| {k} | {str(v).replace('|', '/')} |\n" for k, v in sorted(params.items()))
+            self.writer.add_text("run/parameters", table, 0)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def event(self, step: int, cause: str, message: str, figure: float | None) -> None:
+        self.writer.add_text(f"verdicts/{cause}", message, step)
+        if figure is not None:
+            self.writer.add_scalar(f"verdicts/{cause}", figure, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflow(_Backend):
+    """A run in $MLFLOW_TRACKING_URI, else in a SQLite store at RUN/mlflow.db with artifacts under
+    RUN/mlartifacts (MLflow 3 keeps its file store in maintenance mode and refuses it by default);
+    experiment "dflash" ($MLFLOW_EXPERIMENT_NAME overrides). Through MlflowClient: no global active
+    run, so nothing leaks into the user's own code."""
+
+    name, module = "mlflow", "mlflow"
+
+    def __init__(self, *, run_dir: Path, run_name: str, params: dict, start_step: int, previous_id: str | None):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        run_dir = Path(run_dir).resolve()
+        own_store = not os.environ.get("MLFLOW_TRACKING_URI")
+        self.uri = f"sqlite:///{run_dir / 'mlflow.db'}" if own_store else os.environ["MLFLOW_TRACKING_URI"]
+        with _quiet():  # MLflow logs its schema migrations to stdout-bound handlers
+            self.client = MlflowClient(tracking_uri=self.uri)
+            if previous_id:
+                self.run_id = previous_id
+                self.client.update_run(previous_id, status="RUNNING")
+                return
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash")
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                name, artifact_location=(run_dir / "mlartifacts").as_uri() if own_store else None)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        # MLflow caps a parameter value's length; longer values are cut with a marker.
+        text = {k: str(v) for k, v in params.items()}
+        items = [Param(k[:250], v if len(v) <= 6000 else v[:5990] + " [cut]") for k, v in text.items()]
+        for first in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[first:first + 100])
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+
+    def event(self, step: int, cause: str, message: str, figure: float | None) -> None:
+        self.client.set_tag(self.run_id, f"verdict.{cause}", f"step {step}: {message}")
+        if figure is not None:
+            self.log(step, {f"verdicts/{cause}": figure})
+
+    def artifact(self, path: Path) -> None:
+        self.client.log_artifacts(self.run_id, str(path), artifact_path=path.name)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _wandb_key_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandB(_Backend):
+    """A W&B run: $WANDB_MODE if set; else online when an API key is configured (WANDB_API_KEY or
+    `wandb login`'s netrc entry), offline under RUN/wandb when not (`wandb sync` uploads it later)."""
+
+    name, module = "wandb", "wandb"
+
+    def __init__(self, *, run_dir: Path, run_name: str, params: dict, start_step: int, previous_id: str | None):
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
+        self.mode = mode
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "dflash"), name=run_name, dir=str(run_dir),
+                              config=params, mode=mode, id=previous_id, resume="allow" if previous_id else None,
+                              settings=wandb.Settings(console="off", silent=True))
+        self.run_id = self.run.id
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def event(self, step: int, cause: str, message: str, figure: float | None) -> None:
+        self.run.summary[f"verdicts/{cause}"] = f"step {step}: {message}"
+        if figure is not None:
+            self.run.log({f"verdicts/{cause}": figure}, step=step)
+        if self.mode == "online":
+            import wandb
+            self.run.alert(title=f"dflash: {cause}", text=f"step {step}: {message}", level=wandb.AlertLevel.WARN)
+
+    def artifact(self, path: Path) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run.id}-{path.name}", type="model")
+        artifact.add_dir(str(path))
+        self.run.log_artifact(artifact)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackio(_Backend):
+    """A trackio run in its local store ($TRACKIO_DIR, else trackio's default), project "dflash"
+    ($TRACKIO_PROJECT overrides); trackio's own messages go to stderr, so `--json` output stays
+    parseable, and its CPU/GPU sampling threads stay off (they would cost training time)."""
+
+    name, module = "trackio", "trackio"
+
+    def __init__(self, *, run_dir: Path, run_name: str, params: dict, start_step: int, previous_id: str | None):
+        import trackio
+
+        self.project = os.environ.get("TRACKIO_PROJECT", "dflash")
+        with contextlib.redirect_stdout(sys.stderr):
+            self.run = trackio.init(project=self.project, name=previous_id or run_name, config=params,
+                                    resume="allow" if previous_id else "never", auto_log_gpu=False, auto_log_cpu=False)
+        self.run_id = self.run.name
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def event(self, step: int, cause: str, message: str, figure: float | None) -> None:
+        from trackio.alerts import AlertLevel
+
+        with contextlib.redirect_stdout(sys.stderr):
+            self.run.alert(title=cause, text=message, level=AlertLevel.WARN, step=step)
+        if figure is not None:
+            self.run.log({f"verdicts/{cause}": figure}, step=step)
+
+    def artifact(self, path: Path) -> None:
+        with contextlib.redirect_stdout(sys.stderr):
+            self.run.log_artifact(path, name=path.name, type="model")
+
+    def close(self) -> None:
+        import trackio
+
+        # The module-level finish also forgets the current run, so trackio's exit hook does not
+        # finish it a second time (printing to stdout after a --json document).
+        with contextlib.redirect_stdout(sys.stderr):
+            trackio.finish()
