@@ -3,9 +3,10 @@
     python benchmarks/tracking_overhead.py [--steps 60] [--log-every 1] [--rounds 2] [--rows 160] [--json]
 
 Trains the tiny preset on a cache of the embedded training conversations, without trackers and
-with all four (offline, files under a temporary folder), the two arms interleaved per round in
-one process. Training tokens/s of an arm = the tokens of the steps between its first and last log
-line / the wall time between them (the log's elapsed_s): every tracker call in between is inside
+with all four (offline, files under a temporary folder), the two arms interleaved per round
+(their order swapped every round) in one process. Training tokens/s of an arm = the tokens of
+the steps between its first and last log line / the wall time between them (the log's
+elapsed_s): every tracker call in between is inside
 that time, the trackers' start (imports, W&B's service) and close are not. `--log-every 1` is
 the worst case: every step reports. The headline is the ratio of the medians with and without,
 and every round's ratio is printed beside it.
@@ -74,8 +75,11 @@ def main() -> None:
         cache = small_cache(root, rows, 2)
         rounds = []
         for r in range(args.rounds):
-            without = one_run(cache, root / f"plain-{r}", steps=args.steps, log_every=args.log_every, report_to=None)
-            with_all = one_run(cache, root / f"tracked-{r}", steps=args.steps, log_every=args.log_every, report_to=ALL)
+            # The arms swap order every round, so warm-up and drift do not favour one of them.
+            arms = [("plain", None), ("tracked", ALL)][::1 if r % 2 == 0 else -1]
+            runs = {name: one_run(cache, root / f"{name}-{r}", steps=args.steps, log_every=args.log_every,
+                                  report_to=report_to) for name, report_to in arms}
+            without, with_all = runs["plain"], runs["tracked"]
             rounds.append({"round": r + 1, "without_steps_per_s": without["steps_per_s"],
                            "with_steps_per_s": with_all["steps_per_s"],
                            "ratio": with_all["steps_per_s"] / without["steps_per_s"],

@@ -86,37 +86,77 @@ def error(message: str) -> None:
 
 
 class ProgressBar:
-    """A rich progress bar on stderr (count, rate, ETA); a no-op when disabled (JSON mode,
-    non-zero ranks). `advance(n, tokens=k)` adds a tokens/s readout."""
+    """Progress on stderr (count, rate, ETA); a no-op when disabled (JSON mode, non-zero ranks).
+    `advance(n, tokens=k, note=...)` adds a tokens/s readout and a running figure (eval's tau).
+    On a terminal: a rich bar. Otherwise (a log file, CI, `nohup`): a plain line at every
+    `every_percent` of the total and at least every `every_s` seconds, never closer together than
+    `min_interval_s` (so work that takes seconds stays quiet and a long step is never silent)."""
 
-    def __init__(self, label: str, unit: str, *, total: int, enabled: bool):
+    def __init__(self, label: str, unit: str, *, total: int, enabled: bool, every_percent: float = 5.0,
+                 every_s: float = 60.0, min_interval_s: float = 10.0):
+        self.min_interval_s = min_interval_s
         self.enabled, self.tokens, self.t0 = enabled, 0, time.perf_counter()
-        if enabled:
+        self.label, self.unit, self.total, self.done, self.note = label, unit, total, 0, ""
+        self.every_percent, self.every_s = every_percent, every_s
+        self.plain = enabled and not err_console.is_terminal
+        self.last_line_at, self.last_percent = self.t0, 0.0
+        if enabled and not self.plain:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
             self.progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
                                      TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err_console)
             self.task = self.progress.add_task(label, total=total, rate="")
 
     def __enter__(self):
-        if self.enabled:
+        if self.enabled and not self.plain:
             self.progress.start()
         return self
 
     def __exit__(self, exc_type, *exc):
-        if self.enabled:
+        if self.enabled and not self.plain:
             if exc_type is not None:   # an error's one line stands alone: no final bar printed before it
                 self.progress.live.transient = True
             self.progress.stop()
 
     def set_total(self, total: int) -> None:
-        if self.enabled:
+        self.total = total
+        if self.enabled and not self.plain:
             self.progress.update(self.task, total=total)
 
-    def advance(self, n: int, tokens: int = 0) -> None:
+    def _rate(self) -> str:
+        return f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s" if self.tokens else ""
+
+    def advance(self, n: int, tokens: int = 0, note: str = "") -> None:
         self.tokens += tokens
-        if self.enabled:
-            rate = f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s" if self.tokens else ""
+        self.done += n
+        self.note = note or self.note
+        if not self.enabled:
+            return
+        if not self.plain:
+            rate = "  ".join(x for x in (self._rate(), self.note) if x)
             self.progress.update(self.task, advance=n, rate=rate)
+            return
+        now = time.perf_counter()
+        percent = 100.0 * self.done / self.total if self.total else 0.0
+        due = (self.total and (percent // self.every_percent > self.last_percent // self.every_percent
+                               or self.done >= self.total)) or now - self.last_line_at >= self.every_s
+        if due and now - self.last_line_at >= self.min_interval_s:
+            self.last_line_at, self.last_percent = now, percent
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        elapsed = now - self.t0
+        parts = [f"{self.label}: {self.done}/{self.total or '?'} {self.unit}"
+                 + (f" ({100.0 * self.done / self.total:.0f}%)" if self.total else ""),
+                 f"{self.done / max(elapsed, 1e-9):.2f} {self.unit}/s", self._rate(), self.note,
+                 f"elapsed {_clock(elapsed)}"]
+        if self.total and self.done:
+            parts.append(f"eta {_clock(elapsed * (self.total - self.done) / self.done)}")
+        err_console.print("  ".join(x for x in parts if x), highlight=False, markup=False)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class TrainView:

@@ -62,8 +62,10 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print) -> dic
     say(f"[4/5] eval: speculative decoding on {plan['prompts'] or 200} held-out prompts (block, DDTree "
         f"{', '.join(map(str, plan['budgets']))})")
     start = time.perf_counter()
-    evaluated = run_eval(out / "run", target=None, prompts=None, max_new_tokens=96, block_size=None,
-                         tree_budgets=plan["budgets"], tree_top_k=8, limit=plan["prompts"])
+    from pipeline.ui import ProgressBar
+    with ProgressBar("eval", "prompts", total=plan["prompts"] or 200, enabled=progress) as bar:
+        evaluated = run_eval(out / "run", target=None, prompts=None, max_new_tokens=96, block_size=None,
+                             tree_budgets=plan["budgets"], tree_top_k=8, limit=plan["prompts"], progress=bar.advance)
     timings["eval_s"] = time.perf_counter() - start
     (out / "eval.json").write_text(json.dumps(evaluated, indent=2) + "\n")
 

@@ -238,7 +238,9 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
                                             top_k=tree_top_k, verify=tree_verify))
             seconds[f"tree{b}"] += time.perf_counter() - t0
         if progress:
-            progress(len(chunk))
+            new_tokens = sum(len(r.tokens) for r in blocks[-len(chunk):])
+            steps = [a + 1 for r in blocks for a in r.accepted]
+            progress(len(chunk), tokens=new_tokens, note=f"block tau {sum(steps) / max(len(steps), 1):.2f}")
     greedy_tokens = sum(len(r.tokens) for r in reference)
     extra = {}
     if cache is not None:

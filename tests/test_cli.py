@@ -149,3 +149,20 @@ def test_a_hub_id_is_refused_with_a_download_hint():
     result = invoke("target-info", "Qwen/Qwen3.6-27B")
     assert result.exit_code == 1
     assert "looks like a Hub id" in result.output and "hf download Qwen/Qwen3.6-27B" in result.output
+
+
+def test_progress_lines_in_a_log_are_spaced_and_say_how_far(capsys):
+    """The plain-line progress of a non-terminal: a line per crossed step of the total, never two
+    within the minimum interval, with count, percentage, rate and ETA."""
+    from pipeline.ui import ProgressBar
+
+    with ProgressBar("work", "items", total=10, enabled=True, every_percent=20, min_interval_s=0) as bar:
+        for _ in range(10):
+            bar.advance(1, tokens=100)
+    lines = capsys.readouterr().err.splitlines()
+    assert [x.split()[1] for x in lines] == ["2/10", "4/10", "6/10", "8/10", "10/10"], lines
+    assert "(100%)" in lines[-1] and "items/s" in lines[-1] and "tok/s" in lines[-1] and "eta" in lines[0]
+    with ProgressBar("work", "items", total=10, enabled=True, every_percent=20, min_interval_s=3600) as bar:
+        for _ in range(10):
+            bar.advance(1)
+    assert capsys.readouterr().err == ""  # seconds of work: quiet

@@ -377,3 +377,19 @@ def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, em
         for one, many in zip(single, rows):
             assert many.drafts == one.drafts and many.accepted == one.accepted and many.tokens == one.tokens
             assert many.tokens == greedy(live, batch[rows.index(many)], max_new=32, eos=EOS).tokens
+
+
+def test_eval_progress_is_plain_lines_in_a_log(trained, capsys):
+    """Not a terminal (a log file, CI): eval's progress is plain lines (prompts done / total,
+    prompts/s, tokens/s, the running block tau), not a bar that only renders at the end."""
+    from pipeline.ui import ProgressBar
+
+    with ProgressBar("eval", "prompts", total=4, enabled=True, every_percent=25, min_interval_s=0) as bar:
+        result = run_eval(trained, target=None, prompts=None, max_new_tokens=32, block_size=None, tree_budgets=[],
+                          tree_top_k=8, limit=4, progress=bar.advance)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("eval: ")]
+    assert [x.split()[1] for x in lines] == ["1/4", "2/4", "3/4", "4/4"], lines
+    assert all("prompts/s" in x and "tok/s" in x and "block tau " in x for x in lines), lines
+    final_tau = float(lines[-1].split("block tau ")[1].split()[0])
+    assert final_tau == pytest.approx(result["block"]["tau_pooled"], abs=0.005)
+    assert "eta 0:00:00" in lines[-1]

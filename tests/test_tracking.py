@@ -184,8 +184,8 @@ def test_a_tracker_that_is_not_installed_is_one_line_naming_the_extra(tmp_path):
 
 
 def test_a_tracker_that_fails_mid_run_is_one_warning_and_is_dropped(tmp_path):
-    """MLflow's store deleted under a running tracker: the next report fails inside MLflow; the run
-    gets one warning naming the tracker, and later reports skip it instead of stopping training."""
+    """MLflow's store deleted under a running tracker: its next write fails inside MLflow; the run
+    gets one warning naming the tracker, and the other trackers go on (training is not stopped)."""
     from pipeline.tracking import open_trackers
 
     warnings = []
@@ -196,7 +196,8 @@ def test_a_tracker_that_fails_mid_run_is_one_warning_and_is_dropped(tmp_path):
     trackers.log({"step": 2, "loss": 1.5})
     trackers.log({"step": 3, "loss": 1.0})
     trackers.close()
-    assert len(warnings) == 1 and warnings[0].startswith("mlflow: logging failed"), warnings
+    # MLflow writes buffered batches in the background: the failure shows at its next write.
+    assert len(warnings) == 1 and warnings[0].startswith("mlflow: ") and " failed (" in warnings[0], warnings
     assert [b.name for b in trackers.backends] == ["tensorboard"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

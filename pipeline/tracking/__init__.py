@@ -125,6 +125,7 @@ def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dic
     for name in names:
         tracker_class(name).check_installed()
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     ids_path = run_dir / IDS_FILE
     try:
         ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
