@@ -262,7 +262,7 @@ def eval_(
     block_size: Annotated[Optional[int], typer.Option(help="Draft block size (default: the drafter's).")] = None,
     tree_budget: Annotated[str, typer.Option(help="DDTree node budgets, comma-separated ('' for none).")] = "16,64",
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
-    tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'tree' (each node once: ancestor mask, per-node recurrent states) or 'paths' (root-to-leaf paths as batch rows; for attention implementations that take no mask).")] = "tree",
+    tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'auto' (by the target's size; recorded in the result), 'tree' (each node once: ancestor mask, per-node recurrent states; faster where the target's compute dominates) or 'paths' (root-to-leaf paths as batch rows; faster on tiny targets, and for attention implementations that take no mask).")] = "auto",
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them (each still checked against its own greedy run); worth it on a GPU.")] = 1,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
     cache: Annotated[Optional[str], typer.Option(help="A cache (directory or s3://BUCKET/PREFIX) of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
@@ -306,6 +306,8 @@ def _show_eval(result: dict, json_out: bool) -> None:
                           f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_greedy']:.2f}x",
                           f"{r['identical_to_greedy']}/{result['prompts']}")
         console.print(table)
+        if result["tree"]:
+            console.print(f"DDTree verified as {result['tree_verify']} ({result['tree_verify_reason']})", highlight=False)
         hist = result["block"]["accept_histogram"]
         console.print("block acceptance lengths: " + "  ".join(f"{k}:{v}" for k, v in hist.items()), highlight=False)
         if "teacher_forced" in result:
@@ -471,6 +473,7 @@ def _show_checks(result: dict) -> None:
 def demo(
     out: Annotated[Path, typer.Option(help="Folder for everything the demo writes.")] = Path("dflash-demo"),
     quick: Annotated[bool, typer.Option(help="A one-minute version (fewer conversations, steps and prompts).")] = False,
+    report_to: Annotated[Optional[str], typer.Option(help="Experiment trackers for the training step (as `train --report-to`).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The whole pipeline on the embedded tiny target: extract, verify, train, speculative-decoding
@@ -478,7 +481,7 @@ def demo(
     from pipeline.ui import err_console
     from stages.demo import run_demo
 
-    summary = run_demo(out, quick=quick, progress=not json_out,
+    summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to,
                        say=lambda m: err_console.print(f"[bold]{m}[/]", highlight=False, markup=True))
     if json_out:
         from pipeline.ui import print_json

@@ -9,7 +9,9 @@ the steps between its first and last log line / the wall time between them (the 
 elapsed_s): every tracker call in between is inside
 that time, the trackers' start (imports, W&B's service) and close are not. `--log-every 1` is
 the worst case: every step reports. The headline is the ratio of the medians with and without,
-and every round's ratio is printed beside it.
+and every round's ratio is printed beside it. Then each tracker alone: CPU and wall
+milliseconds per log line (the last line of the tracked run's log, 200 times), the cost to set
+against a step's time at a given --log-every.
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def one_run(cache: Path, out: Path, *, steps: int, log_every: int, report_to: st
             "wall_s": total}
 
 
+def per_log_cost(root: Path, record: dict, calls: int = 200) -> dict:
+    """Each tracker alone: wall and process CPU milliseconds (its background threads included) per
+    log line of `record`'s keys, over `calls` lines and the close that writes what is buffered."""
+    from pipeline.tracking import open_trackers
+
+    out = {}
+    for name in ALL.split(","):
+        trackers = open_trackers([name], run_dir=root / f"cost-{name}", run_name="cost", params={"x": 1}, start_step=0)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for step in range(1, calls + 1):
+            trackers.log({**record, "step": step})
+        trackers.close()
+        out[name] = {"wall_ms": (time.perf_counter() - wall) * 1e3 / calls, "cpu_ms": (time.process_time() - cpu) * 1e3 / calls}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="Training steps per run.")
@@ -84,9 +102,10 @@ def main() -> None:
                            "with_steps_per_s": with_all["steps_per_s"],
                            "ratio": with_all["steps_per_s"] / without["steps_per_s"],
                            "with_wall_s": with_all["wall_s"], "without_wall_s": without["wall_s"]})
+        costs = per_log_cost(root, json.loads((root / "tracked-0" / "train_log.jsonl").read_text().splitlines()[-1]))
     ratio = statistics.median(x["with_steps_per_s"] for x in rounds) / statistics.median(x["without_steps_per_s"] for x in rounds)
     result = {"steps": args.steps, "log_every": args.log_every, "trackers": ALL, "rounds": rounds,
-              "ratio_of_medians": ratio}
+              "ratio_of_medians": ratio, "per_log_line": costs}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -94,8 +113,10 @@ def main() -> None:
     for x in rounds:
         print(f"{x['round']:>5} {x['without_steps_per_s']:>16.3f} {x['with_steps_per_s']:>13.3f} {x['ratio']:>6.3f} "
               f"{x['without_wall_s']:>12.1f}s {x['with_wall_s']:>9.1f}s")
-    print(f"training tokens/s with all four trackers / without: {ratio:.3f} (median of {len(rounds)} rounds; "
-          f"every step logged: --log-every {args.log_every})")
+    print(f"training tokens/s with all four trackers / without: {ratio:.3f} (ratio of the medians of {len(rounds)} "
+          f"rounds; a log line every {args.log_every} steps)")
+    print("per log line (each tracker alone, 200 lines): " + ", ".join(
+        f"{name} {c['cpu_ms']:.2f} ms CPU / {c['wall_ms']:.2f} ms wall" for name, c in costs.items()))
 
 
 if __name__ == "__main__":

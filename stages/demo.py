@@ -19,7 +19,7 @@ FULL = {"conversations": None, "shards": 8, "max_steps": None, "prompts": None, 
 QUICK = {"conversations": 160, "shards": 2, "max_steps": 40, "prompts": 6, "budgets": [4]}
 
 
-def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print) -> dict:
+def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report_to: str | None = None) -> dict:
     from pipeline.embedded import TRAIN_DATA
     from stages.eval import run_eval
     from stages.extract import run_extract
@@ -53,7 +53,8 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print) -> dic
 
     say("[3/5] train: the tiny preset" + (f", {plan['max_steps']} steps" if plan["max_steps"] else ", 6 epochs"))
     start = time.perf_counter()
-    overrides = {"cache": str(out / "cache"), "out": str(out / "run"), "max_steps": plan["max_steps"]}
+    overrides = {"cache": str(out / "cache"), "out": str(out / "run"), "max_steps": plan["max_steps"],
+                 "report_to": report_to}
     cfg, preset_target = resolve_config(None, overrides)
     from pipeline.ui import TrainView
     trained = run_train(cfg, preset_target=preset_target, view=TrainView(progress), warn=say)
@@ -90,7 +91,8 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print) -> dic
                  "block_tau_mean_of_means": evaluated["block"]["tau_mean_of_means"],
                  "block_tau_pooled": evaluated["block"]["tau_pooled"],
                  **{f"ddtree{b}_tau_pooled": r["tau_pooled"] for b, r in evaluated["tree"].items()},
-                 "block_speedup_vs_greedy_cpu": evaluated["block"]["speedup_vs_greedy"]},
+                 "block_speedup_vs_greedy_cpu": evaluated["block"]["speedup_vs_greedy"],
+                 "tree_verify": evaluated["tree_verify"], "tree_verify_reason": evaluated["tree_verify_reason"]},
         "report": {"plots": reported.get("plots", []),
                    "verdicts": {m: v.get("verdict") for m, v in reported["runs"][0]["verdicts"].items()}},
         "timings": timings,

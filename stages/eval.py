@@ -22,7 +22,7 @@ from pipeline.drafter.export import load_drafter
 from pipeline.devices import resolve_device
 from pipeline.errors import PipelineError
 from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, greedy, tree_decode
+from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, choose_tree_verify, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
 from pipeline.transformers_internals import takes_mask
@@ -174,16 +174,16 @@ def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
-             tree_verify: str = "tree", batch_size: int = 1, warn=None) -> dict:
+             tree_verify: str = "auto", batch_size: int = 1, warn=None) -> dict:
     from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
 
     device_, dtype_ = resolve_device(device, dtype)
-    if tree_verify not in TREE_VERIFY:
-        raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, got {tree_verify!r}")
+    if tree_verify not in (*TREE_VERIFY, "auto"):
+        raise PipelineError(f"--tree-verify: must be one of auto, {', '.join(TREE_VERIFY)}, got {tree_verify!r}")
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be >= 1, got {batch_size}")
-    if batch_size > 1 and tree_verify != "tree":
+    if batch_size > 1 and tree_verify == "paths":
         raise PipelineError("--batch-size > 1 verifies each prompt's tree in one pass over its nodes: use --tree-verify tree")
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
@@ -209,6 +209,12 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     tokenizer = load_tokenizer(target_dir)
     model = load_model(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
+    tree_verify_reason = "asked for"
+    if tree_verify == "auto":
+        embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                      for p in m.parameters()}
+        body = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+        tree_verify, tree_verify_reason = choose_tree_verify(body, batch_size=batch_size, takes_mask=takes_mask(model))
     if (tree_budgets or batch_size > 1) and tree_verify == "tree" and not takes_mask(model):
         raise PipelineError("the target's attention implementation takes no tree mask (sdpa and eager do): "
                             "use --tree-verify paths and --batch-size 1")
@@ -252,7 +258,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         "max_new_tokens": max_new_tokens,
         "device": f"{device_} ({str(dtype_).removeprefix('torch.')})", "cpu_threads": torch.get_num_threads(),
         "drafter_kv_cache": True,
-        "tree_verify": tree_verify, "batch_size": batch_size,
+        "tree_verify": tree_verify, "tree_verify_reason": tree_verify_reason, "batch_size": batch_size,
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
         "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),

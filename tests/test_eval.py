@@ -156,6 +156,8 @@ def test_eval_cli_json_and_a_bad_drafter(trained, tmp_path):
     result = json.loads(ok.stdout)
     assert result["prompts"] == 3 and result["lossless"] and set(result["tree"]) == {"4"}
     assert result["device"] == "cpu (float32)" and result["drafter_kv_cache"]  # auto without a GPU
+    # --tree-verify auto on the 1.7 M embedded target: paths (measured faster there, BENCHMARKS).
+    assert result["tree_verify"] == "paths" and "< 20 M" in result["tree_verify_reason"], result["tree_verify_reason"]
     assert result["cpu_threads"] == 1
     zero = cli("--threads", "0", "eval", "--drafter", str(trained))
     assert zero.returncode == 1 and "--threads must be 'auto' or an integer >= 1, got '0'" in zero.stderr
@@ -393,3 +395,15 @@ def test_eval_progress_is_plain_lines_in_a_log(trained, capsys):
     final_tau = float(lines[-1].split("block tau ")[1].split()[0])
     assert final_tau == pytest.approx(result["block"]["tau_pooled"], abs=0.005)
     assert "eta 0:00:00" in lines[-1]
+
+
+def test_tree_verify_auto_follows_its_rule():
+    """The rule, spelled out: several prompts per pass need the tree pass; a target that takes no
+    mask needs the paths; otherwise the size decides (20 M non-embedding parameters)."""
+    from pipeline.speculative.decode import choose_tree_verify
+
+    assert choose_tree_verify(1_700_000, batch_size=1, takes_mask=True)[0] == "paths"
+    assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=True)[0] == "tree"
+    assert choose_tree_verify(20_000_000, batch_size=1, takes_mask=True)[0] == "tree"
+    assert choose_tree_verify(1_700_000, batch_size=8, takes_mask=True)[0] == "tree"
+    assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=False)[0] == "paths"
