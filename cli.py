@@ -329,14 +329,31 @@ def report(
     steps_per_epoch: Annotated[Optional[float], typer.Option(help="Steps per epoch, if the log does not record it.")] = None,
     reference_tau: Annotated[Optional[float], typer.Option(help="Acceptance length of a reference drafter to hold the extrapolated tau against.")] = None,
     out: Annotated[Path, typer.Option(help="Folder for the PNG plots.")] = Path("dflash-report"),
+    follow: Annotated[bool, typer.Option("--follow", help="Re-draw the report (and the plots) as the logs grow, until every run reaches its last step; with --json, one JSON document per line per re-draw.")] = False,
+    interval: Annotated[float, typer.Option(help="With --follow: seconds between looks at the logs.")] = 10.0,
     json_out: JsonOpt = False,
 ) -> None:
     """Convergence diagnostics: rolling means with confidence intervals, plateau/regression
     verdicts, cliffs, grad-norm anomalies, extrapolation, run-vs-run comparison, plots."""
-    from stages.report import run_report
+    import json as json_module
 
-    result = run_report(logs, window_size=window, every=every, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        reference_tau=reference_tau, plots=out)
+    from stages.report import follow_report, run_report
+
+    options = {"window_size": window, "every": every, "epochs": epochs, "steps_per_epoch": steps_per_epoch,
+               "reference_tau": reference_tau, "plots": out}
+    if follow:
+        if interval <= 0:
+            raise PipelineError(f"--interval must be > 0, got {interval}")
+
+        def show(result):
+            if json_out:
+                print(json_module.dumps(result, default=str), flush=True)
+            else:
+                _show_report(result)
+
+        follow_report(logs, interval=interval, show=show, **options)
+        return
+    result = run_report(logs, **options)
     if json_out:
         from pipeline.ui import print_json
         print_json(result)

@@ -99,7 +99,7 @@ class ProgressBar:
         self.label, self.unit, self.total, self.done, self.note = label, unit, total, 0, ""
         self.every_percent, self.every_s = every_percent, every_s
         self.plain = enabled and not err_console.is_terminal
-        self.last_line_at, self.last_percent = self.t0, 0.0
+        self.last_line_at, self.last_percent, self.lines = self.t0, 0.0, 0
         if enabled and not self.plain:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
             self.progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
@@ -139,8 +139,10 @@ class ProgressBar:
         percent = 100.0 * self.done / self.total if self.total else 0.0
         due = (self.total and (percent // self.every_percent > self.last_percent // self.every_percent
                                or self.done >= self.total)) or now - self.last_line_at >= self.every_s
-        if due and now - self.last_line_at >= self.min_interval_s:
+        finished_after_lines = self.total and self.done >= self.total and self.lines
+        if due and (now - self.last_line_at >= self.min_interval_s or finished_after_lines):
             self.last_line_at, self.last_percent = now, percent
+            self.lines += 1
             self._line(now)
 
     def _line(self, now: float) -> None:

@@ -191,3 +191,46 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
     if plots is not None:
         result["plots"] = plot(runs, plots, size)
     return result
+
+
+def _log_path(path: Path) -> Path:
+    path = Path(path)
+    return path / "train_log.jsonl" if path.is_dir() else path
+
+
+def run_finished(log: Path) -> bool:
+    """A run is over when its log reached the plan's last step (run.json beside the log)."""
+    log = _log_path(log)
+    try:
+        total = json.loads((log.parent / "run.json").read_text())["plan"]["total_steps"]
+        lines = log.read_text(encoding="utf-8").splitlines()
+        return bool(lines) and json.loads(lines[-1]).get("step", 0) >= total
+    except (OSError, KeyError, ValueError, json.JSONDecodeError):
+        return False
+
+
+def follow_report(logs: list[Path], *, interval: float, show, timeout: float | None = None, **options) -> dict:
+    """`pipeline report --follow`: the report again (`show(result)`, plots rewritten) each time a
+    log grows, checked every `interval` seconds, until every run has reached its last step (or
+    `timeout` seconds pass). A log that does not exist yet is waited for."""
+    import time
+
+    start, seen, result = time.monotonic(), None, None
+    while True:
+        paths = [_log_path(p) for p in logs]
+        # Whether the runs are over is read before the sizes, so the last re-draw covers the end.
+        finished = all(run_finished(p) for p in paths)
+        sizes = tuple(p.stat().st_size if p.is_file() else -1 for p in paths)
+        if sizes != seen and all(size > 0 for size in sizes):
+            try:
+                result = run_report(logs, **options)
+            except PipelineError:
+                result = None  # a log with no complete line yet: wait for the next one
+            else:
+                seen = sizes
+                show(result)
+        if finished and sizes == seen:
+            return result
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise PipelineError(f"--follow: the runs did not finish within {timeout:g} s")
+        time.sleep(interval)

@@ -129,3 +129,29 @@ def test_a_malformed_log_line_is_one_clear_error(tmp_path):
     torn = tmp_path / "torn.jsonl"
     torn.write_text("\n".join(lines[:5] + lines[6:]) + "\n{\"step\": 20")   # a killed run's last line
     assert report(torn)["runs"][0]["entries"] == 199
+
+
+def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, train_rows):
+    """`pipeline report RUN --follow` started before a real training run: it waits for the log,
+    re-draws as lines arrive (each re-draw one JSON line with a later last step), and exits 0 on
+    its own once the log reaches the plan's last step."""
+    import subprocess
+    import sys
+    import time
+
+    from extract_helpers import REPO, small_cache
+
+    cache = small_cache(tmp_path, train_rows[:64], 2)
+    run = tmp_path / "run"
+    env = {**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"}
+    follower = subprocess.Popen([sys.executable, "-m", "cli", "report", str(run), "--follow", "--interval", "0.3",
+                                 "--json", "--out", str(tmp_path / "plots")], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1)
+    trained = cli("train", "--cache", str(cache), "--out", str(run), "--max-steps", "30", "--log-every", "2")
+    assert trained.returncode == 0, trained.stderr
+    out, err = follower.communicate(timeout=120)
+    assert follower.returncode == 0, err
+    steps = [json.loads(line)["runs"][0]["last_step"] for line in out.splitlines()]
+    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == 30, steps
+    assert (tmp_path / "plots" / "report-loss.png").is_file()
