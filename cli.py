@@ -262,6 +262,7 @@ def eval_(
     block_size: Annotated[Optional[int], typer.Option(help="Draft block size (default: the drafter's).")] = None,
     tree_budget: Annotated[str, typer.Option(help="DDTree node budgets, comma-separated ('' for none).")] = "16,64",
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
+    report_to: Annotated[Optional[str], typer.Option(help="Also send the figures (taus, tau_walk with --cache) to the training run's trackers, as eval/... at its last step: tensorboard, wandb, mlflow, trackio.")] = None,
     tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'auto' (by the target's size; recorded in the result), 'tree' (each node once: ancestor mask, per-node recurrent states; faster where the target's compute dominates) or 'paths' (root-to-leaf paths as batch rows; faster on tiny targets, and for attention implementations that take no mask).")] = "auto",
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them (each still checked against its own greedy run); worth it on a GPU.")] = 1,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
@@ -280,7 +281,8 @@ def eval_(
     with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
-                          device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning)
+                          device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning,
+                          report_to=report_to)
     _show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)

@@ -24,6 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import TREE_VERIFY, Decoded, block_decode, choose_tree_verify, greedy, tree_decode
 from pipeline.speculative.live_target import LiveTarget
+from pipeline.tracking import parse_report_to, report_eval, tracker_class
 from pipeline.target import RecordedTarget, load_model, load_tokenizer, read_target_facts, resolve_target
 from pipeline.transformers_internals import takes_mask
 
@@ -174,19 +175,24 @@ def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
-             tree_verify: str = "auto", batch_size: int = 1, warn=None) -> dict:
+             tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None) -> dict:
     from pipeline.embedded import HELDOUT_DATA
     from stages.train import frozen_target_modules
 
     device_, dtype_ = resolve_device(device, dtype)
     if tree_verify not in (*TREE_VERIFY, "auto"):
-        raise PipelineError(f"--tree-verify: must be one of auto, {', '.join(TREE_VERIFY)}, got {tree_verify!r}")
+        raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, auto; got {tree_verify!r}")
     if batch_size < 1:
         raise PipelineError(f"--batch-size must be >= 1, got {batch_size}")
     if batch_size > 1 and tree_verify == "paths":
         raise PipelineError("--batch-size > 1 verifies each prompt's tree in one pass over its nodes: use --tree-verify tree")
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
+    report_to = parse_report_to(report_to)
+    for name in report_to:  # a missing extra or a drafter without its run: one line before any decoding
+        tracker_class(name).check_installed()
+    if report_to and not (drafter_dir.parent / "train_log.jsonl").is_file():
+        raise PipelineError(f"{drafter_dir}: --report-to needs the drafter's training run (RUN/train_log.jsonl beside it)")
     target_dir = resolve_target(target, recorded)
     facts = read_target_facts(target_dir)
     mismatch = target_mismatch(target_dir, Path(recorded.source)) if recorded else None
@@ -251,7 +257,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     extra = {}
     if cache is not None:
         extra["teacher_forced"] = teacher_forced(drafter, cache, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
-    return {**extra,
+    result = {**extra,
         "drafter": str(drafter_dir), "target": str(target_dir),
         "target_differs_from_training": mismatch,     # None: the same config and weights as the run recorded
         "prompts": len(items), "block_size": block,
@@ -266,3 +272,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
                  for b in tree_budgets},
         "lossless": all(r.tokens == g.tokens for runs in [blocks, *trees.values()] for r, g in zip(runs, reference)),
     }
+    if report_to:
+        result["reported_to"] = {"trackers": report_to,
+                                 "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}
+    return result

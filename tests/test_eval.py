@@ -8,6 +8,7 @@ import torch
 from extract_helpers import cli, small_cache
 
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.errors import PipelineError
 from pipeline.speculative.decode import block_decode, greedy
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.speculative.tree import build_tree
@@ -348,8 +349,9 @@ def test_odd_prompts_decode_losslessly(trained, tmp_path):
     rows = odd_conversations(long_words=300)   # ~1,250 tokens here (the benchmark's set: ~2,900)
     path = tmp_path / "odd.jsonl"
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    # The tree pass named: auto would pick the paths on this small target, and the pass is what is checked.
     result = run_eval(trained, target=None, prompts=path, max_new_tokens=20, block_size=None, tree_budgets=[16, 64],
-                      tree_top_k=8, limit=None)
+                      tree_top_k=8, limit=None, tree_verify="tree")
     assert result["prompts"] == len(rows) >= 12
     assert result["lossless"], (result["block"]["mismatched_prompts"], {b: t["mismatched_prompts"] for b, t in result["tree"].items()})
     assert result["greedy"]["tokens"] > 4 * len(rows)  # most prompts decode more than a token or two
@@ -407,3 +409,29 @@ def test_tree_verify_auto_follows_its_rule():
     assert choose_tree_verify(20_000_000, batch_size=1, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(1_700_000, batch_size=8, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=False)[0] == "paths"
+
+
+def test_eval_figures_reach_the_training_runs_tracker(trained, tmp_path):
+    """`eval --report-to tensorboard`: the taus land in the run's TensorBoard files as eval/... at
+    the training's last step, read back with TensorBoard's own reader."""
+    pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)  # the module's run stays as it was for the other tests
+    result = run_eval(run, target=None, prompts=None, max_new_tokens=24, block_size=None, tree_budgets=[4],
+                      tree_top_k=4, limit=2, report_to="tensorboard")
+    last_step = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])["step"]
+    assert result["reported_to"] == {"trackers": ["tensorboard"], "at_step": last_step}
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    found = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert found["eval/block_tau_pooled"] == [(last_step, pytest.approx(result["block"]["tau_pooled"], rel=1e-6))]
+    assert found["eval/ddtree4_tau_pooled"] == [(last_step, pytest.approx(result["tree"]["4"]["tau_pooled"], rel=1e-6))]
+    with pytest.raises(PipelineError, match="training run"):
+        lone = tmp_path / "lone"
+        shutil.copytree(run / "drafter", lone)
+        run_eval(lone, target=None, prompts=None, max_new_tokens=8, block_size=None, tree_budgets=[], tree_top_k=4,
+                 limit=1, report_to="tensorboard")

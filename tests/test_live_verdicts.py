@@ -102,9 +102,11 @@ def test_random_labels_fire_labels_not_learnable_live(cache, tmp_path, monkeypat
     pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
     summary, warnings = planted_run(cache, tmp_path / "run", "random_labels", monkeypatch, report_to="tensorboard,mlflow")
     lines = [w for w in warnings if "labels_not_learnable" in w]
-    assert len(lines) == 1 and summary["verdicts"] == lines, warnings
+    assert len(lines) == 1 and summary["verdicts"][0] == lines[0], warnings
     recorded = [json.loads(x) for x in (tmp_path / "run" / "verdicts.jsonl").read_text().splitlines()]
-    assert [v["cause"] for v in recorded] == ["labels_not_learnable"]
+    # Its own verdict first; the loss also barely falls (6.5 -> 6.3), so loss_flat may join it.
+    assert recorded[0]["cause"] == "labels_not_learnable", recorded
+    assert {v["cause"] for v in recorded} <= {"labels_not_learnable", "loss_flat"} and len(recorded) <= 2
     # Fired during the run: at the first check past warmup (20 steps), long before the end.
     assert 20 < recorded[0]["step"] <= 30, recorded
     # The verdict reached the trackers, read back with their own readers.

@@ -42,7 +42,7 @@ def parse_report_to(value: str | list[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def scalars(record: dict) -> dict[str, float]:
+def scalars(record: dict, prefix: str = SCALAR_PREFIX) -> dict[str, float]:
     """A train_log.jsonl line as tracker scalars: numbers under `train/KEY`, the per-slot accuracy
     list as `train/pos_acc/slot_K` (K = the slot, 1-based as DESIGN numbers slots), step left out
     (it is the x axis), non-finite numbers kept (trackers draw them as gaps or markers)."""
@@ -53,10 +53,10 @@ def scalars(record: dict) -> dict[str, float]:
         if isinstance(value, bool):
             value = int(value)
         if isinstance(value, (int, float)):
-            out[SCALAR_PREFIX + key] = float(value)
+            out[prefix + key] = float(value)
         elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
             for k, v in enumerate(value, 1):
-                out[f"{SCALAR_PREFIX}{key}/slot_{k}"] = float(v)
+                out[f"{prefix}{key}/slot_{k}"] = float(v)
     return out
 
 
@@ -97,8 +97,8 @@ class Trackers:
                 self.warn(f"{backend.name}: {action} failed ({type(e).__name__}: {str(e)[:200]}); "
                           "no more reports to it in this run (train_log.jsonl has everything)")
 
-    def log(self, record: dict) -> None:
-        values = scalars(record)
+    def log(self, record: dict, prefix: str = SCALAR_PREFIX) -> None:
+        values = scalars(record, prefix)
         self._each("logging", lambda b: b.log(int(record["step"]), values))
 
     def event(self, step: int, cause: str, message: str, figure: float | None) -> None:
@@ -145,3 +145,38 @@ def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dic
     if ids:
         ids_path.write_text(json.dumps(ids, indent=2) + "\n")
     return Trackers(started, warn)
+
+
+def eval_figures(result: dict) -> dict[str, float]:
+    """`pipeline eval`'s headline figures as tracker scalars (logged under `eval/`)."""
+    out = {"block_tau_pooled": result["block"]["tau_pooled"], "block_tau_mean_of_means": result["block"]["tau_mean_of_means"],
+           "block_speedup_vs_greedy": result["block"]["speedup_vs_greedy"], "prompts": result["prompts"]}
+    for budget, tree in result["tree"].items():
+        out[f"ddtree{budget}_tau_pooled"] = tree["tau_pooled"]
+    teacher = result.get("teacher_forced")
+    if teacher:
+        out.update(tau_walk=teacher["tau_walk"], tau_estimate=teacher["tau_estimate"])
+    return out
+
+
+def report_eval(names: list[str], *, run_dir: Path, result: dict, warn=None) -> int:
+    """Send an eval's figures to the training run's trackers (the same tracker runs, continued
+    from RUN/trackers.json), at the training's last logged step; returns that step."""
+    log = Path(run_dir) / "train_log.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
+    step = 0
+    for line in reversed(lines):
+        try:
+            step = int(json.loads(line)["step"])
+            break
+        except (ValueError, KeyError, json.JSONDecodeError):
+            continue
+    if not step:
+        raise PipelineError(f"{run_dir}: --report-to needs the drafter's training run (its train_log.jsonl)")
+    trackers = open_trackers(names, run_dir=Path(run_dir), run_name=Path(run_dir).resolve().name, params={},
+                             start_step=step, warn=warn)
+    try:
+        trackers.log({"step": step, **eval_figures(result)}, prefix="eval/")
+    finally:
+        trackers.close()
+    return step
