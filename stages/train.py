@@ -425,7 +425,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         if view:
             view.stop()
     if not last:
-        last = _last_logged(out / "train_log.jsonl")
+        last = (_logged(out / "train_log.jsonl") or [{}])[-1]
     if world > 1:
         dist.barrier()
     return {"steps": step, "total_steps": plan.total_steps, "epochs": round(step / plan.steps_per_epoch, 3),
@@ -512,14 +512,6 @@ def _logged(path: Path) -> list[dict]:
 def _append_json(path: Path, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _last_logged(path: Path) -> dict:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        return json.loads(lines[-1]) if lines else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _trim_log(path: Path, step: int) -> None:

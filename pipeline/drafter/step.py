@@ -170,7 +170,6 @@ def _empty_sums(block_size: int) -> dict:
             "slot_count": torch.zeros(block_size, dtype=torch.float64)}
 
 
-
 def _random_labels(items: list, vocab: int, *, seed: int, step: int) -> None:
     """The test-only planted fault `random_labels` (pipeline.faults.planted)."""
     for sid, seq in items:

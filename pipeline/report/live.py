@@ -86,8 +86,13 @@ class LiveVerdicts:
                 new.append(verdict)
         return new
 
+    def points(self, key: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of the entries that carry `key` as a finite number."""
+        pairs = [(float(r["step"]), v) for r in self.records if (v := _number(r, key)) is not None and math.isfinite(v)]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
     def series(self, key: str) -> list[float]:
-        return [v for v in (_number(r, key) for r in self.records) if v is not None and math.isfinite(v)]
+        return self.points(key)[1]
 
     def _non_finite(self, record: dict) -> list[Verdict]:
         bad = [k for k in ("loss", "grad_norm") if (v := _number(record, k)) is not None and not math.isfinite(v)]
@@ -117,16 +122,13 @@ class LiveVerdicts:
             verdict = compare(window(losses[:w]), window(losses[-w:]), -1)
             first, latest = statistics.fmean(losses[:w]), statistics.fmean(losses[-w:])
             if verdict["verdict"] != "improving" and first - latest < LOSS_FLAT_DROP * abs(first):
-                found.append(Verdict("loss_flat", step,
-                                     f"loss not falling after warmup: first {w} entries {statistics.fmean(losses[:w]):.4f}, "
-                                     f"last {w} {statistics.fmean(losses[-w:]):.4f} (z {verdict['z']:.1f})",
-                                     statistics.fmean(losses[-w:])))
+                found.append(Verdict("loss_flat", step, f"loss not falling after warmup: first {w} entries "
+                                     f"{first:.4f}, last {w} {latest:.4f} (z {verdict['z']:.1f})", latest))
 
         # Sudden moves in the bad direction (one verdict naming every metric that moved).
         moved = []
         for key, direction in (("loss", -1), ("accuracy", 1), ("avg_streak", 1)):
-            values = self.series(key)
-            steps = [float(r["step"]) for r in self.records if (v := _number(r, key)) is not None and math.isfinite(v)]
+            steps, values = self.points(key)
             recent = values[-(2 * w + 3):]
             found_cliffs = cliffs(steps[-len(recent):], recent, direction, before=min(20, max(3, len(recent) // 3)))
             if found_cliffs:
@@ -140,8 +142,8 @@ class LiveVerdicts:
         norms = [(float(r["step"]), v) for r in self.records if (v := _number(r, "grad_norm")) is not None]
         norms = norms[len(norms) // 10:]
         if len(norms) >= 2 * w:
+            median = statistics.median(v for _, v in norms)
             for a in anomalies([s for s, _ in norms], [v for _, v in norms]):
-                median = statistics.median(v for _, v in norms)
                 if a["step"] > float(self.records[-self.every]["step"]) - 1e-9 and math.isfinite(a["value"]) \
                         and a["value"] > SPIKE_RATIO * median:
                     found.append(Verdict("grad_norm_spike", int(a["step"]), f"grad norm {a['value']:.3g} against a "

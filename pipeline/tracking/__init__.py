@@ -5,14 +5,16 @@ the extra before any training starts. Every tracker gets the same things: every 
 train_log.jsonl line (DESIGN 4) as a scalar under `train/` at that line's step (`pos_acc` as one
 scalar per slot, `train/pos_acc/slot_K`), the run's resolved config and cache identity as
 parameters, a text event per live verdict, and the drafter export as an artifact where the tracker
-keeps artifacts (MLflow, W&B). Only rank 0 reports.
+keeps artifacts (MLflow, W&B, trackio). Only rank 0 reports. `pipeline eval --report-to` adds
+eval's figures under `eval/` at the training's last step (report_eval).
 
 Where each writes (all offline-capable; nothing needs a network unless the user asks for it):
 - tensorboard: event files under RUN/tensorboard (`tensorboard --logdir RUN/tensorboard`).
-- mlflow: $MLFLOW_TRACKING_URI if set, else a file store at RUN/mlruns.
+- mlflow: $MLFLOW_TRACKING_URI if set, else a SQLite store at RUN/mlflow.db (artifacts in
+  RUN/mlartifacts).
 - wandb: $WANDB_MODE if set; else online when an API key is configured, offline (RUN/wandb,
   `wandb sync` later) when not.
-- trackio: trackio's local store ($TRACKIO_DIR, else trackio's default), project = run name.
+- trackio: trackio's local store ($TRACKIO_DIR, else trackio's default), project "dflash".
 """
 
 from __future__ import annotations
@@ -162,17 +164,9 @@ def eval_figures(result: dict) -> dict[str, float]:
 def report_eval(names: list[str], *, run_dir: Path, result: dict, warn=None) -> int:
     """Send an eval's figures to the training run's trackers (the same tracker runs, continued
     from RUN/trackers.json), at the training's last logged step; returns that step."""
-    log = Path(run_dir) / "train_log.jsonl"
-    lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
-    step = 0
-    for line in reversed(lines):
-        try:
-            step = int(json.loads(line)["step"])
-            break
-        except (ValueError, KeyError, json.JSONDecodeError):
-            continue
-    if not step:
-        raise PipelineError(f"{run_dir}: --report-to needs the drafter's training run (its train_log.jsonl)")
+    from pipeline.report.logs import read_run
+
+    step = int(read_run(Path(run_dir) / "train_log.jsonl").last_step)
     trackers = open_trackers(names, run_dir=Path(run_dir), run_name=Path(run_dir).resolve().name, params={},
                              start_step=step, warn=warn)
     try:
