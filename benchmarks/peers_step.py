@@ -2,13 +2,15 @@
 vllm-project/speculators 0.9.x and sgl-project SpecForge 0.2.x, on the same batch, weights and
 anchors.
 
-    PEERS_PY benchmarks/peers_step.py [--config small|h1024] [--rounds 3] [--layers N]
-                                      [--peers speculators,specforge|none] [--profile] [--json]
+    PEERS_PY benchmarks/peers_step.py [--config small|h512|h1024|w5120] [--rounds 3] [--layers N]
+                                      [--peers speculators,specforge|none] [--before REV]
+                                      [--set FIELD=N ...]
+                                      [--profile] [--json]
 
 (default: h1024, 3 rounds, about 5 minutes on 2 cores; `--config small` about 30 s)
 
-PEERS_PY is a python that can import torch, this repository's `pipeline` (put on sys.path here,
-nothing to install) and the peers, which are installed without their serving dependencies:
+PEERS_PY is a python that can import torch, this repository's `pipeline` (put on sys.path by
+peers_impls.py, nothing to install) and the peers, which are installed without their serving dependencies:
 
     python3 -m venv peers-venv
     peers-venv/bin/pip install torch==2.13.0
@@ -22,11 +24,13 @@ transformers 5.19 is the newest speculators allows; what this imports of ours, t
 its loss, is plain torch; SpecForge pins 5.8.1 and torch 2.11, and its DFlash modules import and
 run under these as well.)
 
-What is measured. One drafter geometry (`--config`): `small` (hidden 128, 2 layers, 4 query / 2
-KV heads of 32, intermediate 384, vocabulary 2,048, 5 taps, 512 tokens x 64 anchors x block 16)
-or `h1024` (hidden 1024, `--layers` layers (default 1), 8 query / 2 KV heads of 128,
-intermediate 3072, vocabulary 32,000, 5 taps, 2,048 tokens x 512 anchors x block 16, one
-sequence). Random weights are built for our `DFlashDrafter` (norm gains randomised too) and
+What is measured. One drafter geometry (`--config`, all block 16, 5 taps, one sequence;
+`--layers` overrides the layer count): `small` (hidden 128, 2 layers, 4 query / 2 KV heads of
+32, intermediate 384, vocabulary 2,048, 512 tokens x 64 anchors), `h512` (hidden 512, 1 layer,
+8 / 2 heads of 64, intermediate 1536, vocabulary 32,000, 2,048 tokens x 256 anchors), `h1024`
+(hidden 1024, 1 layer, 8 / 2 heads of 128, intermediate 3072, vocabulary 32,000, 2,048 tokens x
+512 anchors) or `w5120` (the flagship drafter's width: hidden 5120, 32 / 8 heads of 128,
+intermediate 17408; reduced counts: 1 layer, vocabulary 32,000, 1,024 tokens x 64 anchors). Random weights are built for our `DFlashDrafter` (norm gains randomised too) and
 copied, parameter by parameter under the same names, into speculators' `DFlashDraftModel` and
 SpecForge's `DFlashDraftModel`; the frozen embedding and lm_head are the same tensors for all.
 The batch: random tapped hidden states, a random last hidden state of the target whose
@@ -54,9 +58,14 @@ Both peers default to flex attention, which has no backward on the CPU (torch 2.
 First one step of each from zero gradients: the losses (relative difference to ours) and, on
 every trainable parameter, the gradient difference (max abs, and max abs over the parameter's
 max |grad|, worst parameter). Then `--rounds` rounds, each timing one step of every
-implementation in an order that alternates between rounds; the median seconds per step and our
-speed over each peer's (also on this process's CPU time, steadier on a shared machine, where
-OpenMP's spinning threads still inflate it). `--profile` adds a breakdown of our step (forward
+implementation in an order that alternates between rounds. Every step is listed with its wall
+and CPU seconds and the other processes' share of the machine's CPUs meanwhile (from /proc/stat:
+a loaded machine shows). Each peer's time over ours is given round by round (wall, and this
+process's CPU time, steadier on a shared machine where OpenMP's spinning threads still inflate
+it); the headline ratio (the median) is printed only when the rounds agree within 25%, else the
+output says the rounds disagree and prints no ratio. `--before REV` adds ours with
+`split_block_attention` taken from git revision REV (its gradients checked against ours too), so
+an attention change is measured before and after in the same run. `--profile` adds a breakdown of our step (forward
 modules, the loss (whose gradient may be taken in its forward), backward, kernel time and page
 faults) and the top operators by self CPU time.
 """
@@ -67,260 +76,22 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import resource
 import statistics
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from peers_impls import CONFIGS, Ours, OursAt, SpecForge, Speculators, build_batch, build_ours  # puts the repo on sys.path
+from pipeline.drafter.batch import final_hidden
+from pipeline.drafter.loss import supervised_loss
 
-from pipeline.drafter.batch import SequenceBlocks, final_hidden, pack  # noqa: E402
-from pipeline.drafter.blocks import block_targets, block_tokens  # noqa: E402
-from pipeline.drafter.loss import LOSS_PATH, supervised_loss  # noqa: E402
-from pipeline.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
-
-
-@dataclass
-class Geometry:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    taps: int
-    tokens: int
-    anchors: int
-    block: int = 16
-    gamma: float = 7.0
-    rope_theta: float = 1_000_000.0
-    eps: float = 1e-6
-
-
-CONFIGS = {
-    "small": Geometry(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=384, vocab=2048, taps=5,
-                      tokens=512, anchors=64),
-    "h1024": Geometry(hidden=1024, layers=1, heads=8, kv_heads=2, head_dim=128, intermediate=3072, vocab=32000, taps=5,
-                      tokens=2048, anchors=512),
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared weights and batch
-
-
-def build_ours(g: Geometry, seed: int) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    embed = nn.Embedding(g.vocab, g.hidden)
-    nn.init.normal_(embed.weight, std=1.0)
-    head = nn.Linear(g.hidden, g.vocab, bias=False)
-    nn.init.normal_(head.weight, std=1.0 / math.sqrt(g.hidden))
-    taps = [1 + 2 * i for i in range(g.taps)]
-    config = DrafterConfig(hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=g.layers,
-                           num_attention_heads=g.heads, num_key_value_heads=g.kv_heads, head_dim=g.head_dim,
-                           vocab_size=g.vocab, target_layer_ids=taps, num_target_layers=taps[-1] + 2,
-                           mask_token_id=g.vocab - 1, block_size=g.block, rms_norm_eps=g.eps, rope_theta=g.rope_theta)
-    drafter = DFlashDrafter(config, embed=embed, lm_head=head)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):  # RMSNorm gains: not all ones, so a wrong mapping shows
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    return drafter
-
-
-@dataclass
-class Batch:
-    hidden_TNH: torch.Tensor       # [T, n, H] tapped hidden states
-    last_hidden_TH: torch.Tensor   # [T, H] the target's last hidden state (speculators' label source)
-    input_ids: torch.Tensor        # [T]
-    target_argmax: torch.Tensor    # [T]
-    loss_mask: torch.Tensor        # [T] long
-    anchors: torch.Tensor          # [A] sorted
-
-
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def build_batch(g: Geometry, head_weight: torch.Tensor, seed: int) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    t = g.tokens
-    hidden = torch.randn(t, g.taps, g.hidden, generator=gen)
-    last = torch.randn(t, g.hidden, generator=gen)
-    with torch.no_grad():  # the target's prediction at t: argmax of its lm_head on its normed last state
-        argmax = torch.cat([(rms(last[i:i + 256], g.eps) @ head_weight.t()).argmax(-1) for i in range(0, t, 256)])
-    input_ids = torch.empty(t, dtype=torch.long)
-    input_ids[0] = int(torch.randint(g.vocab - 1, (1,), generator=gen))
-    input_ids[1:] = argmax[:-1]  # teacher-forced text: the next token is the target's prediction
-    loss_mask = torch.ones(t, dtype=torch.long)
-    prompt = t // 8
-    loss_mask[:prompt] = 0
-    # Valid for all three: loss_mask[a] = loss_mask[a+1] = 1 (ours, SpecForge) and a < T - B
-    # (speculators keeps the last block's positions out).
-    candidates = torch.arange(prompt, t - g.block)
-    anchors = candidates[torch.randperm(len(candidates), generator=gen)[:g.anchors]].sort().values
-    return Batch(hidden, last, input_ids, argmax, loss_mask, anchors)
-
-
-# ---------------------------------------------------------------------------------------------
-# The three steps. Each `step()` runs forward + backward from zero grads and returns the loss
-# normalised as sum(ce*w)/sum(w) (a float); `grads()` gives the gradients under our names, on
-# that same normalisation.
-
-
-class Ours:
-    name = "ours"
-    attention = f"split_block_attention (no dense mask); loss: {LOSS_PATH}"
-
-    def __init__(self, drafter: DFlashDrafter, b: Batch, g: Geometry):
-        self.model = drafter
-        labels, weights = block_targets(b.target_argmax, b.loss_mask, b.anchors, g.block, g.gamma)
-        ids, pos = block_tokens(b.input_ids, b.anchors, g.block, g.vocab - 1)
-        self.packed = pack([SequenceBlocks(b.hidden_TNH, ids, pos, b.anchors, labels, weights)], g.block)
-        self.total_w = float(weights.sum())
-
-    def params(self):
-        return dict(self.model.named_parameters())
-
-    def forward(self):
-        final = final_hidden(self.model, self.packed)
-        loss_sum, _ = supervised_loss(final, self.model.lm_head_weight, self.packed.labels, self.packed.weights)
-        return loss_sum / self.total_w
-
-    def step(self) -> float:
-        self.model.zero_grad(set_to_none=True)
-        loss = self.forward()
-        loss.backward()
-        return float(loss.detach())
-
-    def grads(self):
-        return {k: p.grad for k, p in self.params().items()}
-
-
-def qwen3_config(g: Geometry, attn: str):
-    from transformers import Qwen3Config
-    config = Qwen3Config(hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=g.layers,
-                         num_attention_heads=g.heads, num_key_value_heads=g.kv_heads, head_dim=g.head_dim,
-                         vocab_size=g.vocab, rms_norm_eps=g.eps, max_position_embeddings=max(4096, 2 * g.tokens),
-                         rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta}, attention_bias=False,
-                         hidden_act="silu", layer_types=["full_attention"] * g.layers, tie_word_embeddings=False)
-    config._attn_implementation = attn
-    return config
-
-
-def copy_shared(ours: DFlashDrafter, peer: nn.Module, prefix: str = "") -> list[str]:
-    """Copy our trainable weights into the peer's parameters of the same names; every trainable
-    peer parameter must be covered. Returns the names."""
-    peer_params = dict(peer.named_parameters())
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            q = peer_params.get(prefix + name)
-            if q is None or q.shape != p.shape:
-                raise SystemExit(f"{type(peer).__name__}: no parameter {prefix + name} of shape {tuple(p.shape)}")
-            q.copy_(p)
-    ours_names = {prefix + n for n, _ in ours.named_parameters()}
-    extra = [n for n, q in peer_params.items() if q.requires_grad and n not in ours_names]
-    if extra:
-        raise SystemExit(f"{type(peer).__name__}: trainable parameters with no counterpart: {extra}")
-    return [n for n, _ in ours.named_parameters()]
-
-
-class Speculators:
-    name = "speculators"
-
-    def __init__(self, ours: DFlashDrafter, b: Batch, g: Geometry):
-        import speculators
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.losses import resolve_loss_config
-        from speculators.models.dflash import core
-        from speculators.models.dflash.config import DFlashSpeculatorConfig
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-        self.version = speculators.__version__ if hasattr(speculators, "__version__") else _dist_version("speculators")
-        self.attention = "SDPA with the dense boolean [Q, T+Q] mask (create_mask); eager CE on full [Q, V] logits"
-        config = DFlashSpeculatorConfig(
-            transformer_layer_config=qwen3_config(g, "sdpa"), draft_vocab_size=g.vocab, block_size=g.block,
-            aux_hidden_state_layer_ids=list(ours.config.target_layer_ids), mask_token_id=g.vocab - 1,
-            speculators_config=SpeculatorsConfig(
-                algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block - 1)],
-                default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
-        model = core.DFlashDraftModel(config)
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(ours._frozen["embed"].weight)
-            model.lm_head.weight.copy_(ours.lm_head_weight)
-            model.verifier_lm_head.weight.copy_(ours.lm_head_weight)
-            model.verifier_norm.weight.fill_(1.0)
-        self.shared = copy_shared(ours, model)
-        model.train()
-        self.model = model
-        # Their anchor sampler (torch.randperm) replaced by ours; every anchor is valid.
-        anchors = b.anchors.clone()
-        core.select_anchors = lambda loss_mask, num, block: (anchors.clone(), torch.ones(num, dtype=torch.bool))
-        t = g.tokens
-        self.kwargs = dict(
-            hidden_states=b.hidden_TNH.reshape(1, t, -1), input_ids=b.input_ids[None], loss_mask=b.loss_mask[None],
-            verifier_last_hidden_states=b.last_hidden_TH[None], document_ids=torch.zeros(1, t, dtype=torch.long),
-            loss_config=resolve_loss_config("ce", "eager"), gamma=g.gamma, max_anchors=g.anchors,
-            per_position_loss_weight="fixed-exp-decay")
-        # Their loss is sum(ce*w) / (supervised count + 1e-5); ours sum(ce*w) / sum(w).
-        labels, weights = block_targets(b.target_argmax, b.loss_mask, b.anchors, g.block, g.gamma)
-        count = float((weights > 0).sum())
-        self.scale = (count + 1e-5) / float(weights.sum())
-
-    def step(self) -> float:
-        self.model.zero_grad(set_to_none=True)
-        _, loss, _ = self.model(**self.kwargs)
-        loss.backward()
-        return float(loss.detach()) * self.scale
-
-    def grads(self):
-        params = dict(self.model.named_parameters())
-        return {k: params[k].grad * self.scale for k in self.shared}
-
-
-class SpecForge:
-    name = "specforge"
-
-    def __init__(self, ours: DFlashDrafter, b: Batch, g: Geometry):
-        from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
-        from specforge.modeling.draft.dflash import DFlashDraftModel
-
-        self.version = _dist_version("specforge")
-        self.attention = ("SDPA with the dense boolean [Q, T+Q] mask (create_dflash_sdpa_mask); "
-                          "lm_head + CE in checkpointed chunks of 128 blocks")
-        config = qwen3_config(g, "sdpa")
-        config.block_size = g.block
-        config.num_target_layers = ours.config.num_target_layers
-        config.dflash_config = {"target_layer_ids": list(ours.config.target_layer_ids), "mask_token_id": g.vocab - 1}
-        draft = DFlashDraftModel(config)
-        self.shared = copy_shared(ours, draft)
-        draft.train()
-        # The target's frozen modules: the same tensors as ours.
-        self.model = OnlineDFlashModel(
-            draft_model=draft, target_lm_head=ours._frozen["lm_head"], target_embed_tokens=ours._frozen["embed"],
-            mask_token_id=g.vocab - 1, block_size=g.block, attention_backend="sdpa",
-            num_anchors=g.anchors, loss_decay_gamma=g.gamma, loss_type="dflash")
-        anchors = b.anchors[None].clone()
-        self.model._sample_anchor_positions = lambda seq_len, loss_mask, device: (
-            anchors.clone(), torch.ones_like(anchors, dtype=torch.bool))
-        t = g.tokens
-        self.args = (b.input_ids[None], b.hidden_TNH.reshape(1, t, -1), b.loss_mask[None].float())
-
-    def step(self) -> float:
-        self.model.draft_model.zero_grad(set_to_none=True)
-        loss, _, _ = self.model(*self.args)
-        loss.backward()
-        return float(loss.detach())
-
-    def grads(self):
-        params = dict(self.model.draft_model.named_parameters())
-        return {k: params[k].grad for k in self.shared}
+# Round ratios further apart than this (largest over smallest) print no headline ratio: the
+# machine was not steady enough for one number (issue 32).
+MAX_ROUND_SPREAD = 1.25
 
 
 def _load() -> float:
@@ -330,9 +101,14 @@ def _load() -> float:
         return float("nan")
 
 
-def _dist_version(name: str) -> str:
-    from importlib.metadata import version
-    return version(name)
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system,
+    irq, softirq, steal); NaN where there is no /proc."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,12 +130,30 @@ def compare(ours_loss: float, ours_grads: dict, loss: float, grads: dict) -> dic
             "grad_rel_l2_diff": math.sqrt(num / den)}
 
 
-def timed_both(fn) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds, user + system): the CPU time is the steadier
-    number on a machine shared with other work."""
-    wall, cpu = time.perf_counter(), time.process_time()
+def timed(fn) -> tuple[float, float, float]:
+    """(wall seconds, this process's CPU seconds (user + system), the other processes' share of
+    the machine's CPUs meanwhile). The CPU time is the steadier number on a shared machine; the
+    share shows when it was shared: 0.0 on an idle machine, 0.5 when others kept half the cores
+    busy."""
+    busy, wall, cpu = _busy_cpu_seconds(), time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    others = max(0.0, _busy_cpu_seconds() - busy - cpu) / (wall * (os.cpu_count() or 1))
+    return wall, cpu, others
+
+
+def per_round(times: dict[str, list[float]], base: str) -> dict:
+    """Each implementation's time over `base`'s, round by round (the same round's steps ran
+    back to back), their median, and whether the rounds agree enough for a headline ratio."""
+    out = {}
+    for name, values in times.items():
+        if name == base:
+            continue
+        ratios = [v / b for v, b in zip(values, times[base])]
+        spread = max(ratios) / min(ratios)
+        out[name] = {"rounds": [round(r, 2) for r in ratios], "median": round(statistics.median(ratios), 2),
+                     "spread": round(spread, 2), "headline": spread <= MAX_ROUND_SPREAD}
+    return out
 
 
 def profile_ours(impl: Ours, rows: int = 15) -> dict:
@@ -435,12 +229,16 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="h1024",
                         help="drafter geometry: small (hidden 128, about 30 s) or h1024 (hidden 1024, about 5 min) (default %(default)s)")
     parser.add_argument("--layers", type=int, help="drafter layers (default: the config's)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=N",
+                        help="override one geometry field, e.g. --set vocab=2048 --set anchors=128 (repeatable)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="timed rounds, each one step of every implementation (default %(default)s)")
     parser.add_argument("--peers", default="speculators,specforge", help="comma-separated subset, or 'none'")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights; the batch uses seed + 1 (default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--before", metavar="REV",
+                        help="also time ours with split_block_attention as it was at git revision REV (before/after in one run)")
     parser.add_argument("--profile", action="store_true", help="also break our step down (a few extra steps)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON, not as key: value lines")
     args = parser.parse_args()
@@ -459,10 +257,17 @@ def main() -> None:
     g = CONFIGS[args.config]
     if args.layers:
         g.layers = args.layers
+    for item in args.set:
+        field, _, value = item.partition("=")
+        if field not in vars(g) or not value.lstrip("-").replace(".", "", 1).isdigit():
+            parser.error(f"--set {item!r}: expected FIELD=NUMBER with FIELD one of {', '.join(vars(g))}")
+        setattr(g, field, type(getattr(g, field))(float(value)) if isinstance(getattr(g, field), int) else float(value))
 
     ours_model = build_ours(g, args.seed)
     batch = build_batch(g, ours_model.lm_head_weight.detach(), args.seed + 1)
     impls = [Ours(ours_model, batch, g)]
+    if args.before:
+        impls.append(OursAt(ours_model, batch, g, args.before))
     for p in peers:
         cls = {"speculators": Speculators, "specforge": SpecForge}[p]
         impls.append(cls(ours_model, batch, g))
@@ -480,15 +285,19 @@ def main() -> None:
 
     times = {impl.name: [] for impl in impls}
     cpu = {impl.name: [] for impl in impls}
+    rounds = []
     for r in range(args.rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         for impl in order:
-            wall, used = timed_both(impl.step)
+            wall, used, others = timed(impl.step)
             times[impl.name].append(wall)
             cpu[impl.name].append(used)
+            rounds.append({"round": r + 1, "impl": impl.name, "seconds": round(wall, 3), "cpu_seconds": round(used, 3),
+                           "others_cpu_share": round(others, 2)})
             impl.model.zero_grad(set_to_none=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    ratios, ratios_cpu = per_round(times, "ours"), per_round(cpu, "ours")
 
     result = {
         "config": args.config, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -497,26 +306,41 @@ def main() -> None:
         "paths": {impl.name: impl.attention for impl in impls},
         "versions": {impl.name: impl.version for impl in impls[1:]},
         "checks": checks,
+        "steps": rounds,
         "seconds_per_step": {k: round(v, 3) for k, v in med.items()},
-        "min_seconds_per_step": {k: round(min(v), 3) for k, v in times.items()},
-        "all_seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
-        "ours_speedup": {k: round(v / med["ours"], 2) for k, v in med.items() if k != "ours"},
-        "ours_speedup_min": {k: round(min(v) / min(times["ours"]), 2) for k, v in times.items() if k != "ours"},
         "cpu_seconds_per_step": {k: round(v, 3) for k, v in med_cpu.items()},
-        "ours_speedup_cpu": {k: round(v / med_cpu["ours"], 2) for k, v in med_cpu.items() if k != "ours"},
+        # Their step time over ours, round by round (wall, then CPU time); a headline only where
+        # the rounds agree within MAX_ROUND_SPREAD.
+        "ours_speedup_rounds": ratios,
+        "ours_speedup_cpu_rounds": ratios_cpu,
+        "ours_speedup": {k: (v["median"] if v["headline"] else None) for k, v in ratios.items()},
+        "ours_speedup_cpu": {k: (v["median"] if v["headline"] else None) for k, v in ratios_cpu.items()},
+        "others_cpu_share_max": max(x["others_cpu_share"] for x in rounds),
         "load_average_1min": round(_load(), 2),
     }
-    if args.profile:
-        prof = profile_ours(impls[0])
-        table = prof.pop("_table")
-        result["ours_profile"] = prof
-        if not args.json:
-            print(table)
+    if args.profile:  # ours, and ours at --before
+        for impl in [i for i in impls if isinstance(i, Ours)]:
+            with impl.active():
+                prof = profile_ours(impl)
+            table = prof.pop("_table")
+            result[f"{impl.name}_profile"] = prof
+            if not args.json:
+                print(f"{impl.name}:\n{table}")
     if args.json:
         print(json.dumps(result, indent=2))
         return
     for k, v in result.items():
-        print(f"{k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}")
+        if k != "steps":
+            print(f"{k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}")
+    print(f"\n{'round':>5}  {'implementation':<24} {'seconds':>8} {'cpu s':>8}  others' CPU share")
+    for x in rounds:
+        print(f"{x['round']:>5}  {x['impl']:<24} {x['seconds']:>8.3f} {x['cpu_seconds']:>8.3f}  {x['others_cpu_share']:.2f}")
+    for name, v in ratios.items():
+        rounds_text = ", ".join(f"{r:.2f}" for r in v["rounds"])
+        verdict = (f"ours {v['median']:.2f}x faster than {name}" if v["headline"] else
+                   f"no headline ratio against {name}: rounds disagree by {v['spread']:.2f}x (> {MAX_ROUND_SPREAD}); "
+                   "rerun on an idle machine")
+        print(f"{verdict} (rounds {rounds_text})")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,15 @@ fit this machine) and the parameters are in that baseline, not in the step's pea
   python benchmarks/train_memory.py --anchors 64 --layers 2 --json > l2.json    # per-layer increment
   python benchmarks/train_memory.py --project one.json l2.json                   # the flagship projection
   (--project pools the rows of any number of such outputs, e.g. one file per --paths)
+
+  # issue 32: the real query count (512 anchors x 16 = 8,192), measured, then only the layer
+  # count and the micro-batch projected (`projection_from_measured`):
+  python benchmarks/train_memory.py --paths chunked --anchors 512 --json > q8192-l1.json
+  python benchmarks/train_memory.py --paths chunked --anchors 512 --layers 2 --json > q8192-l2.json
+  python benchmarks/train_memory.py --project q8192-l1.json q8192-l2.json
+
+Each row also gives the process's own peak (`process_peak_bytes`: VmHWM over the whole process,
+the weights' construction included, which the step's reset does not show) and the baseline.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ def one(path: str, anchors: int, layers: int) -> dict:
                            num_target_layers=64, mask_token_id=248070, block_size=BLOCK, rope_theta=1e7)
     shared = torch.nn.Embedding(VOCAB, HIDDEN)
     shared.weight.data.normal_(0, 0.02)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, device="meta")  # no second 5 GB tensor, even for a moment
     head.weight = shared.weight  # tied: one 5 GB tensor instead of two on this machine
     drafter = DFlashDrafter(config, embed=shared, lm_head=head)
     rng = np.random.default_rng(0)
@@ -61,6 +70,7 @@ def one(path: str, anchors: int, layers: int) -> dict:
                   generator=torch.Generator().manual_seed(0))
     packed = pack([seq], BLOCK)
     del sample
+    setup_peak = rss_bytes("VmHWM")  # building the weights and the batch, before the reset
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     before = rss_bytes("VmRSS")
     start = time.perf_counter()
@@ -75,9 +85,10 @@ def one(path: str, anchors: int, layers: int) -> dict:
         loss.backward()
         hit_sums(hits, packed.weights, packed.real_blocks)
     seconds = time.perf_counter() - start
-    peak = rss_bytes("VmHWM") - before
+    step_hwm = rss_bytes("VmHWM")
     return {"path": path, "anchors": anchors, "queries": anchors * BLOCK, "layers": layers, "tokens": TOKENS,
-            "step_peak_bytes": peak, "seconds": round(seconds, 1), "loss": float(loss.detach()),
+            "step_peak_bytes": step_hwm - before, "baseline_bytes": before, "setup_peak_bytes": setup_peak,
+            "process_peak_bytes": max(setup_peak, step_hwm), "seconds": round(seconds, 1), "loss": float(loss.detach()),
             "threads": torch.get_num_threads()}
 
 
@@ -143,6 +154,33 @@ def project(rows: list[dict]) -> dict:
     return out
 
 
+def project_measured(rows: list[dict], queries: int = 512 * BLOCK) -> dict:
+    """The full preset's peak from steps measured at its real query count (issue 32): the chunked
+    path's 1-layer and 2-layer step peaks at `queries` give the layer increment, projected to 5
+    layers; a micro-batch of m sequences adds m - 1 times the step peak less the gradients (4
+    bytes a parameter); static memory as in `project`. Only the layer count and the micro-batch
+    are projected; the query count is measured."""
+    at = {r["layers"]: r for r in rows if r["path"] == "chunked" and r["queries"] == queries}
+    if not {1, 2} <= set(at):
+        return {}
+    increment = at[2]["step_peak_bytes"] - at[1]["step_peak_bytes"]
+    params = parameters(5)
+    step = at[1]["step_peak_bytes"] + 4 * increment
+    frozen = 2 * VOCAB * HIDDEN * 2
+    per_extra_sequence = max(step - 4 * params, 0)
+    table = {}
+    for world in (1, 8):
+        static = frozen + 4 * params + 8 * params / world
+        table[f"ranks={world}"] = {f"micro_batch={m}": round((static + step + (m - 1) * per_extra_sequence) / 1e9, 1)
+                                   for m in (1, 2, 4)}
+    return {"queries": queries, "measured_step_peak_GB": {f"layers={n}": round(r["step_peak_bytes"] / 1e9, 2)
+                                                          for n, r in sorted(at.items())},
+            "measured_process_peak_GB": {f"layers={n}": round(r["process_peak_bytes"] / 1e9, 2)
+                                         for n, r in sorted(at.items()) if "process_peak_bytes" in r},
+            "layer_increment_GB": round(increment / 1e9, 2), "five_layer_step_peak_GB": round(step / 1e9, 1),
+            "projected_peak_GB": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--anchors", type=int, nargs="+", default=[32, 64, 128],
@@ -162,7 +200,8 @@ def main() -> None:
         parser.error(f"--project: no such file: {', '.join(missing)}")
     if args.project:
         rows = [r for p in args.project for r in json.loads(p.read_text())["rows"] if "error" not in r]
-        print(json.dumps({"fit": fit(rows), "projection": project(rows)}, indent=1))
+        print(json.dumps({"fit": fit(rows), "projection": project(rows),
+                          "projection_from_measured": project_measured(rows)}, indent=1))
         return
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]))))

@@ -407,6 +407,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
                         view.update(step, last if logging else None)
                     if step % cfg.checkpoint_every == 0 or step == plan.total_steps:
                         tokens0 += trainer.take_tokens()
+                        trackers.flush()  # a resume from this checkpoint finds every line before it in the trackers
                         _checkpoint(out, cfg, drafter, optimizer, step=step, epoch=epoch, position=position,
                                     identity=identity, elapsed=elapsed0 + time.perf_counter() - t_start,
                                     tokens=tokens0, rank=rank, world=world, device=device)

@@ -36,3 +36,19 @@ def heldout_rows(embedded):
 def train_rows(embedded):
     from stages.summary import read_jsonl
     return read_jsonl(embedded.TRAIN_DATA)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, train_rows):
+    """One drafter for every test that needs a trained one and does not test training itself:
+    the tiny preset, 150 steps (log every 10) on a cache of the first 400 training conversations
+    in 2 shards. {"run": the run directory, "cache": its cache}. Tests must not write into it."""
+    from extract_helpers import small_cache
+    from stages.train import resolve_config, run_train
+
+    root = tmp_path_factory.mktemp("trained")
+    cache = small_cache(root, train_rows[:400], 2)
+    cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(root / "run"), "max_steps": 150,
+                                               "log_every": 10})
+    run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+    return {"run": root / "run", "cache": cache}

@@ -60,6 +60,31 @@ def cli(*args: str, env: dict | None = None, timeout: int = 600, preexec_fn=None
                           timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
 
 
+def cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The same command run in this process by typer's test runner: the same app, options,
+    stdout, stderr and exit code as `cli`, without the seconds a new process spends importing
+    torch. For commands that end early (usage and input errors, refusals); process-level
+    behaviour (kills, signals, stray library output, the console script) stays with `cli`, and
+    each family of such tests keeps at least one case there. An unexpected exception becomes
+    exit code 1 with its traceback on stderr, as in a process."""
+    import traceback
+
+    import torch
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    threads = torch.get_num_threads()  # the CLI sets torch's threads for its process
+    try:
+        result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", **(env or {})})
+    finally:
+        torch.set_num_threads(threads)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(["pipeline", *args], result.exit_code, result.stdout, stderr)
+
+
 def torchrun(nproc: int, *args: str, timeout: int = 600, preexec_fn=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -12,7 +12,7 @@ import pytest
 import zarr
 from numcodecs import Zstd
 
-from extract_helpers import cli, hash_files_on_disk, manifest_json, shard_digest, write_rows
+from extract_helpers import cli, cli_here, hash_files_on_disk, manifest_json, shard_digest, write_rows
 from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.cache.location import open_location
 from pipeline.cache.reader import CacheReader, ShardReader
@@ -121,7 +121,7 @@ def test_damage_is_named_by_file_and_chunk(copy, where):
     message = r"inner chunk \d+: CRC32C mismatch" if where == "inner chunk" else "index CRC32C mismatch"
     with pytest.raises(PipelineError, match=f"{target}: .*{message}" if where == "inner chunk" else f"{target}: {message}"):
         shard.read_range("hidden", 0, shard.num_tokens)
-    report = json.loads(cli("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
+    report = json.loads(cli_here("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
     checks = {c["check"]: c for c in report["checks"]}
     assert checks["checksums"]["status"] == "fail" and str(target) in json.dumps(checks["checksums"])
     assert checks["digests"]["status"] == "fail"
@@ -160,7 +160,7 @@ def test_an_edited_digest_list_is_caught_by_the_manifest_digest(copy):
     size, sha = hash_files_on_disk(copy / "shard-00000")["target_argmax/c.0"]
     listing["files"]["target_argmax/c.0"] = {"bytes": size, "sha256": sha}
     (copy / "shard-00000" / "digests.json").write_text(json.dumps(listing))
-    report = json.loads(cli("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
+    report = json.loads(cli_here("verify-cache", str(copy), "--tail-rate", "0", "--json").stdout)
     digests = next(c for c in report["checks"] if c["check"] == "digests")
     assert digests["status"] == "fail"
     assert digests["evidence"]["mismatched"] == ["shard-00000: digest of its files differs from its commit record"]
@@ -172,7 +172,7 @@ def test_a_schema_1_cache_is_refused_in_one_line(copy, tmp_path, command):
     manifest["schema_version"] = 1
     (copy / "manifest.json").write_text(json.dumps(manifest))
     args = ["--cache", str(copy), "--out", str(tmp_path / "run"), "--max-steps", "1"] if command == "train" else [str(copy)]
-    result = cli(command, *args)
+    result = (cli if command == "train" else cli_here)(command, *args)  # one in a real process
     assert result.returncode == 1
     text = (result.stderr if command == "train" else result.stdout + result.stderr)
     assert "schema_version 1 (one file per chunk) is not read by this version" in text

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from extract_helpers import cli, small_cache
+from extract_helpers import cli, cli_here, small_cache
 
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
@@ -13,19 +13,15 @@ from pipeline.speculative.decode import block_decode, greedy
 from pipeline.speculative.live_target import LiveTarget
 from pipeline.speculative.tree import build_tree
 from stages.eval import read_prompts, run_eval
-from stages.train import frozen_target_modules, resolve_config, run_train
+from stages.train import frozen_target_modules
 
 EOS = {498}
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, train_rows):
-    """A drafter trained briefly on the embedded target's cache (the run directory)."""
-    root = tmp_path_factory.mktemp("eval")
-    small_cache(root, train_rows[:400], 2)
-    cfg, preset_target = resolve_config(None, {"cache": str(root / "cache"), "out": str(root / "run"), "max_steps": 150})
-    run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
-    return root / "run"
+def trained(trained_run):
+    """The shared drafter trained briefly on the embedded target's cache (the run directory)."""
+    return trained_run["run"]
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +156,11 @@ def test_eval_cli_json_and_a_bad_drafter(trained, tmp_path):
     # --tree-verify auto on the 1.7 M embedded target: paths (measured faster there, BENCHMARKS).
     assert result["tree_verify"] == "paths" and "< 20 M" in result["tree_verify_reason"], result["tree_verify_reason"]
     assert result["cpu_threads"] == 1
-    zero = cli("--threads", "0", "eval", "--drafter", str(trained))
+    zero = cli_here("--threads", "0", "eval", "--drafter", str(trained))
     assert zero.returncode == 1 and "--threads must be 'auto' or an integer >= 1, got '0'" in zero.stderr
-    bad = cli("eval", "--drafter", str(tmp_path))
+    bad = cli_here("eval", "--drafter", str(tmp_path))
     assert bad.returncode == 1 and f"{tmp_path}: not a drafter export" in bad.stderr
-    big = cli("eval", "--drafter", str(trained), "--block-size", "32", "--limit", "1")
+    big = cli_here("eval", "--drafter", str(trained), "--block-size", "32", "--limit", "1")
     assert big.returncode == 1 and "--block-size must be in 2..8" in big.stderr
 
 

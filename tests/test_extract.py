@@ -11,7 +11,7 @@ from pipeline.config import ExtractConfig
 from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.errors import PipelineError
 from stages.extract import run_extract
-from extract_helpers import assert_same_content, cli, decoded, manifest_json, write_rows
+from extract_helpers import assert_same_content, cli_here, decoded, manifest_json, write_rows
 
 TAPS = [1, 3, 5]
 
@@ -140,7 +140,7 @@ def test_rerun_is_a_no_op(cache, small_data):
 def test_conflicting_configuration_is_refused(cache, small_data):
     with pytest.raises(PipelineError, match=r"different configuration \(capture.top_k: 32 -> 8"):
         extract(cache[0], small_data[0], top_k=8)
-    result = cli("extract", "--cache", str(cache[0]), "--data", str(small_data[0]), "--num-shards", "3", "--layers", "1,2,5")
+    result = cli_here("extract", "--cache", str(cache[0]), "--data", str(small_data[0]), "--num-shards", "3", "--layers", "1,2,5")
     assert result.returncode == 1
     assert "target_layer_ids" in result.stderr and "Traceback" not in result.stderr
 

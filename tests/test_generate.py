@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from extract_helpers import REPO, cli, manifest_json, torchrun, write_rows
+from extract_helpers import REPO, cli, cli_here, manifest_json, torchrun, write_rows
 
 from pipeline.errors import PipelineError
 from stages.generate import run_generate
@@ -108,7 +108,7 @@ def test_sampling_is_seeded_per_sequence(tmp_path, data):
 def test_bad_input_and_mismatched_resume_are_one_line_errors(tmp_path, data, train_rows):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(train_rows[0]) + "\n{not json\n")
-    result = cli("generate", "--data", str(bad), "--out", str(tmp_path / "o.jsonl"))
+    result = cli_here("generate", "--data", str(bad), "--out", str(tmp_path / "o.jsonl"))
     assert result.returncode != 0 and f"{bad}:2: malformed JSON" in result.stderr
     assert not (tmp_path / "o.jsonl").exists()
     tokenized = write_rows(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])

@@ -14,8 +14,7 @@ import json
 import pytest
 import torch
 
-from extract_helpers import REPO, write_rows
-from typer.testing import CliRunner
+from extract_helpers import REPO, cli_here, write_rows
 
 FIXTURES = REPO.parent / "shared" / "fixtures"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen3.6"
@@ -29,11 +28,11 @@ MASK_ID = 248070
 
 
 def cli(*args: str):
-    """The `pipeline` command in this process (typer's runner: stdout and stderr captured apart, not
-    a terminal, as when piped), which saves each call the interpreter start and imports."""
-    from cli import app
+    """The `pipeline` command in this process (stdout and stderr captured apart, not a terminal, as
+    when piped), which saves each call the interpreter start and imports."""
+    return cli_here(*args)
 
-    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
 STORED = ["single_turn", "system", "three_turns", "reasoning_last", "reasoning_in_both", "tool_with_reasoning",
           "tool_then_question", "ends_in_tool_call", "content_null", "system_then_greeting"]
 
@@ -97,7 +96,7 @@ def test_show_marks_supervised_tokens_without_colour_and_in_json(real):
     shard = str(sid * 2 // len(STORED))    # the sample's shard only: the other checks are not under test here
     piped = cli("verify-cache", str(real["cache"]), "--target", str(real["target"]), "--show", str(sid), "--tail-rate", "0",
                 "--shards", shard)
-    assert piped.exit_code == 0, piped.output
+    assert piped.returncode == 0, piped.stderr
     assert "[[R " in piped.stdout and "[[C " in piped.stdout and "[[T " in piped.stdout and "[[E " in piped.stdout
     doc = json.loads(cli("verify-cache", str(real["cache"]), "--target", str(real["target"]), "--show", str(sid),
                          "--tail-rate", "0", "--shards", shard, "--json").stdout)
@@ -120,7 +119,7 @@ def test_show_marks_supervised_tokens_without_colour_and_in_json(real):
 def test_train_names_the_mask_option_then_trains_with_248070(real):
     result = cli("train", "--cache", str(real["cache"]), "--out", str(real["root"] / "run-none"), "--max-steps", "1")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "no mask token '<|MASK|>'" in lines[0] and "--mask-token" in lines[0], lines[0]
     assert "--mask-token 248070 ('<|audio_start|>'" in lines[0], lines[0]
     assert not (real["root"] / "run-none" / "drafter").exists()
@@ -129,7 +128,7 @@ def test_train_names_the_mask_option_then_trains_with_248070(real):
     result = cli("train", "--cache", str(real["cache"]), "--out", str(run), "--mask-token", str(MASK_ID),
                  "--max-steps", "2", "--batch-sequences", "2", "--num-anchors", "8", "--block-size", "4",
                  "--num-hidden-layers", "1")
-    assert result.exit_code == 0, result.stderr
+    assert result.returncode == 0, result.stderr
     config = json.loads((run / "drafter" / "config.json").read_text())
     assert config["dflash_config"]["mask_token_id"] == MASK_ID and config["vocab_size"] == 248320
     real["run"] = run
@@ -156,14 +155,14 @@ def test_generate_refuses_or_skips_the_row_the_template_cannot_prompt(real):
     result = cli("generate", "--data", str(data), "--out", str(out), "--target", str(real["target"]),
                  "--max-new-tokens", "2")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert f"{data}:2 (assistant turn 1 of 2): the chat template cannot render the prompt for this turn" in lines[0]
     assert "No user query found in messages" in lines[0], lines[0]
     assert not out.exists()
 
     result = cli("generate", "--data", str(data), "--out", str(out), "--target", str(real["target"]),
                  "--max-new-tokens", "2", "--on-error", "skip", "--json")
-    assert result.exit_code == 0, result.stderr
+    assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and f"{data}:2 (assistant turn 1 of 2)" in warnings[0], result.stderr
     summary = json.loads(result.stdout)

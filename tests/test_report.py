@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from extract_helpers import cli
+from extract_helpers import cli, cli_here
 from pipeline.errors import PipelineError
 from stages.report import run_report
 
@@ -114,7 +114,7 @@ def test_cli_writes_plots_and_json(tmp_path):
     for path in data["plots"]:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    human = cli("report", str(a), "--out", str(tmp_path / "plots2"))
+    human = cli_here("report", str(a), "--out", str(tmp_path / "plots2"))
     assert human.returncode == 0 and "verdict" in human.stdout and "improving" in human.stdout
 
 
@@ -148,7 +148,7 @@ def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, trai
                                  "--json", "--out", str(tmp_path / "plots")], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1)
-    trained = cli("train", "--cache", str(cache), "--out", str(run), "--max-steps", "30", "--log-every", "2")
+    trained = cli_here("train", "--cache", str(cache), "--out", str(run), "--max-steps", "30", "--log-every", "2")
     assert trained.returncode == 0, trained.stderr
     out, err = follower.communicate(timeout=120)
     assert follower.returncode == 0, err

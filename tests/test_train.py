@@ -12,7 +12,7 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import (REPO, cli, edit_record, file_size_limit, in_namespace, manifest_json, needs_tmpfs, resign,
+from extract_helpers import (REPO, cli, cli_here, edit_record, file_size_limit, in_namespace, manifest_json, needs_tmpfs, resign,
                              small_cache, torchrun)
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
@@ -43,15 +43,17 @@ def read_log(run):
     return [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_drafter_learns_and_its_export_reloads(cache, tmp_path, embedded):
-    result = train(cache, tmp_path / "run", max_steps=90, log_every=10)
+def test_drafter_learns_and_its_export_reloads(trained_run, tmp_path, embedded):
+    """The shared trained drafter (conftest: the tiny preset, 150 steps, log every 10)."""
+    cache = trained_run["cache"]
+    shutil.copytree(trained_run["run"], tmp_path / "run")  # resumed below: the shared run stays as it is
     lines = read_log(tmp_path / "run")
-    assert DESIGN_KEYS <= set(lines[0]) and [x["step"] for x in lines] == [1, *range(10, 91, 10)]
+    assert DESIGN_KEYS <= set(lines[0]) and [x["step"] for x in lines] == [1, *range(10, 151, 10)]
     assert len(lines[-1]["pos_acc"]) == 7  # slots 1..B-1 for the tiny preset's B = 8
     first, last = lines[0], lines[-1]
     assert last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])
     assert last["accuracy"] > 0.35 and last["avg_streak"] > 0.5, last  # chance: 1/512 and ~0
-    assert result["steps"] == 90 and result["world_size"] == 1
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["world_size"] == 1
     # The exported drafter (DESIGN 8) is the trained one: reloaded, it scores like the last log line.
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(tmp_path / "run" / "drafter", embed=embed, lm_head=head).eval()
@@ -66,8 +68,10 @@ def test_drafter_learns_and_its_export_reloads(cache, tmp_path, embedded):
         metrics = block_metrics(forward_logits(drafter, packed), packed.labels, packed.weights)
     assert metrics["accuracy"] > 0.35, metrics
     # A resumed run of a finished training is a no-op that exports the same drafter again.
-    again = train(cache, tmp_path / "run", max_steps=90, log_every=10)
-    assert again["resumed"] and again["steps"] == 90 and len(read_log(tmp_path / "run")) == len(lines)
+    exported = (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes()
+    again = train(cache, tmp_path / "run", max_steps=150, log_every=10)
+    assert again["resumed"] and again["steps"] == 150 and len(read_log(tmp_path / "run")) == len(lines)
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == exported
 
 
 def live_sample(target, sample, taps):
@@ -354,8 +358,8 @@ def test_mixed_kernel_provenance_needs_the_flag(cache, tmp_path):
     assert refused.returncode == 1
     assert "mixed kernel provenance" in refused.stderr and "--allow-mixed-provenance" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
-    allowed = cli("train", "--cache", str(mixed), "--out", str(tmp_path / "run"), "--max-steps", "2",
-                  "--allow-mixed-provenance")
+    allowed = cli_here("train", "--cache", str(mixed), "--out", str(tmp_path / "run"), "--max-steps", "2",
+                       "--allow-mixed-provenance")
     assert allowed.returncode == 0, allowed.stderr
     assert "warning" in allowed.stderr and "mixed kernel provenance" in allowed.stderr
     assert "accuracy" in allowed.stdout and "drafter" in allowed.stdout  # the human summary table
@@ -368,7 +372,7 @@ def test_a_corrupted_chunk_stops_training_with_a_clear_error(cache, tmp_path):
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    result = cli("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "40")
+    result = cli_here("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "40")
     assert result.returncode == 1
     assert f"{bad}/shard-00001/hidden: read of sample" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -378,7 +382,7 @@ def test_resume_refuses_a_changed_config(cache, tmp_path):
     train(cache, tmp_path / "run", max_steps=2, checkpoint_every=1)
     with pytest.raises(PipelineError, match=r"cannot resume, the run's config changed \(lr: 0.003 -> 0.001\)"):
         train(cache, tmp_path / "run", max_steps=2, lr=1e-3)
-    fresh = cli("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "2", "--no-resume")
+    fresh = cli_here("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "2", "--no-resume")
     assert fresh.returncode == 1 and "has checkpoints up to step-00000002" in fresh.stderr
 
 
@@ -409,8 +413,8 @@ def test_sliding_window_layers_train_and_export(cache, tmp_path, embedded):
         train(cache, tmp_path / "bad1", max_steps=1, num_hidden_layers=2, layer_types=kinds)
     with pytest.raises(PipelineError, match="drafter config: layer_types has 2 entries for 3 layers"):
         train(cache, tmp_path / "bad2", max_steps=1, num_hidden_layers=3, layer_types=kinds, sliding_window=8)
-    refused = cli("train", "--cache", str(cache), "--out", str(tmp_path / "bad3"), "--max-steps", "1",
-                  "--attention", "flex")
+    refused = cli_here("train", "--cache", str(cache), "--out", str(tmp_path / "bad3"), "--max-steps", "1",
+                       "--attention", "flex")
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "attention 'flex' needs a CUDA device" in refused.stderr
     for bad in ("bad1", "bad2", "bad3"):

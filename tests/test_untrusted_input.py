@@ -8,7 +8,7 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import cli, manifest_json, resign, small_cache
+from extract_helpers import cli, cli_here, manifest_json, resign, small_cache
 from pipeline.cache.reader import CacheReader
 from pipeline.errors import PipelineError
 from stages.train import resolve_config, run_train
@@ -37,7 +37,8 @@ def test_shard_names_cannot_leave_the_cache(cache, tmp_path, name):
     bad = edited(cache, tmp_path, change)
     with pytest.raises(PipelineError, match="invalid shard name"):
         CacheReader(bad)
-    result = cli("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1")
+    run = cli if name == "../shard-00000" else cli_here  # one in a real process
+    result = run("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1")
     assert result.returncode == 1 and "invalid shard name" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -59,7 +60,7 @@ def test_a_shard_declaring_a_petabyte_array_is_refused_before_reading(cache, tmp
     reader = CacheReader(bad)
     with pytest.raises(PipelineError, match=r"hidden: declares shape \(1000000000000000, 3, 128\)"):
         reader.shard("shard-00000")
-    verified = cli("verify-cache", str(bad), "--json")   # reported as a failed check, nothing allocated
+    verified = cli_here("verify-cache", str(bad), "--json")   # reported as a failed check, nothing allocated
     assert verified.returncode == 1
     structure = next(c for c in json.loads(verified.stdout)["checks"] if c["check"] == "structure")
     assert structure["status"] == "fail" and "declares shape (1000000000000000, 3, 128)" in json.dumps(structure)
@@ -102,7 +103,7 @@ def test_a_manifest_of_an_unknown_schema_version_is_refused(cache, tmp_path, com
     before = (bad / "manifest.json").read_bytes()
     args = {"train": ["--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1"],
             "extract": ["--cache", str(bad), "--num-shards", "1"], "verify-cache": [str(bad)]}[command]
-    result = cli(command, *args)
+    result = (cli if command == "train" else cli_here)(command, *args)  # one in a real process
     assert result.returncode == 1, result.stderr
     assert "schema_version 99 is not supported" in result.stdout + result.stderr
     assert (bad / "manifest.json").read_bytes() == before, "a refused cache is never rewritten"
@@ -145,5 +146,5 @@ def test_links_in_a_shard_are_refused_by_the_reader(cache, tmp_path, where):
         link.symlink_to(target)
     with pytest.raises(PipelineError, match=f"{link}: is a symbolic link"):
         CacheReader(bad).shard("shard-00000")
-    result = cli("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1")
+    result = cli_here("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1")
     assert result.returncode == 1 and "is a symbolic link" in result.stderr, result.stderr

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zarr
 
-from extract_helpers import cli, edit_record, resign, write_rows
+from extract_helpers import cli, cli_here, edit_record, resign, write_rows
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify
@@ -30,8 +30,9 @@ def copy(good, tmp_path):
     return dest, manifest
 
 
-def verify(cache, *args):
-    result = cli("verify-cache", str(cache), "--json", *args)
+def verify(cache, *args, run=cli_here):
+    """verify-cache --json, in this process (`run=cli`: a real one)."""
+    result = run("verify-cache", str(cache), "--json", *args)
     report = json.loads(result.stdout) if result.stdout.strip().startswith("{") else None
     return result, report
 
@@ -41,7 +42,7 @@ def status(report):
 
 
 def test_good_cache_passes_everything(good):
-    result, report = verify(good, "--recompute", "3")
+    result, report = verify(good, "--recompute", "3", run=cli)
     assert result.returncode == 0, result.stdout + result.stderr
     assert report["passed"]
     s = status(report)
@@ -231,7 +232,7 @@ def test_sampled_checksums(good):
 
 
 def test_show_highlights_the_supervised_span(good, train_rows):
-    result = cli("verify-cache", str(good), "--show", "0")
+    result = cli_here("verify-cache", str(good), "--show", "0")
     assert result.returncode == 0, result.stderr
     assert "sample 0 (shard-00000)" in result.stdout
     assert train_rows[0]["messages"][-1]["content"] in result.stdout
@@ -246,5 +247,5 @@ def test_show_highlights_the_supervised_span(good, train_rows):
 ])
 def test_usage_errors_exit_2(good, args, message):
     args = [str(good) if a == "CACHE" else a for a in args]
-    result = cli("verify-cache", *args)
+    result = (cli if args[0] == "/nonexistent-cache" else cli_here)("verify-cache", *args)  # one in a real process
     assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zarr
 
-from extract_helpers import cli, manifest_json, resign, uncommit, write_rows
+from extract_helpers import cli, cli_here, manifest_json, resign, uncommit, write_rows
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig, TrainConfig
 from pipeline.errors import PipelineError
@@ -120,7 +120,7 @@ def test_one_sample_fault_is_named(caches, tmp_path, fault, array, change, faili
 
 def test_the_good_cache_passes_every_sample(caches):
     good, _ = caches
-    result = cli("verify-cache", str(good), "--json")
+    result = cli_here("verify-cache", str(good), "--json")
     report = json.loads(result.stdout)
     assert result.returncode == 0, [c for c in report["checks"] if c["status"] != "pass"]
     checks = {c["check"]: c for c in report["checks"]}
@@ -137,19 +137,19 @@ def test_incomplete_cache_fails_completeness_and_train_refuses_it(caches, tmp_pa
     shutil.copytree(good, cache)
     shutil.rmtree(cache / "shard-00002")
     uncommit(cache, "shard-00003")  # its files stay: a partial write, invisible
-    result = cli("verify-cache", str(cache), "--json")
+    result = cli_here("verify-cache", str(cache), "--json")
     check = next(c for c in json.loads(result.stdout)["checks"] if c["check"] == "completeness")
     assert result.returncode == 1 and check["status"] == "fail"
     assert check["evidence"]["missing"] == ["shard-00002", "shard-00003"] and check["evidence"]["missing_rows"] == 16
     assert "2 of 4 shards not committed" in check["summary"]
-    assert cli("verify-cache", str(cache), "--shards", "0-1", "--json").returncode == 0, "the committed part is sound"
+    assert cli_here("verify-cache", str(cache), "--shards", "0-1", "--json").returncode == 0, "the committed part is sound"
 
     refused = cli("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1")
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert refused.returncode == 1 and len(lines) == 1 and "incomplete cache" in lines[0] \
         and "--allow-incomplete-cache" in lines[0], refused.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
-    allowed = cli("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1",
+    allowed = cli_here("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1",
                   "--allow-incomplete-cache")
     assert allowed.returncode == 0, allowed.stderr
     assert "incomplete cache" in allowed.stderr

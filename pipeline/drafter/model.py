@@ -149,6 +149,30 @@ def dense_attention(allowed_BQK, block_pos_BQ, context_pos_BT):
 PIECE_QUERIES = 256
 
 
+class _PieceRows(torch.autograd.Function):
+    """Each piece's keys (or values) as one tensor: the context rows [low, high) it can see, then its
+    own blocks' rows. Backward adds every piece's gradient into one buffer. (Slicing the full tensor
+    once per piece instead makes autograd allocate, zero and sum one full-size gradient per piece:
+    at hidden 512 that, not the attention, was most of the step; issue 32.)"""
+
+    @staticmethod
+    def forward(ctx, rows, context_len: int, spans: list[tuple[int, int, int, int]]):
+        ctx.shape, ctx.context_len, ctx.spans = rows.shape, context_len, spans
+        return tuple(torch.cat([rows[:, :, low:high], rows[:, :, context_len + q0:context_len + q1]], dim=2)
+                     for low, high, q0, q1 in spans)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        given = next(g for g in grads if g is not None)
+        grad = given.new_zeros(ctx.shape)
+        c = ctx.context_len
+        for g, (low, high, q0, q1) in zip(grads, ctx.spans):
+            if g is not None:
+                grad[:, :, low:high] += g[:, :, :high - low]
+                grad[:, :, c + q0:c + q1] += g[:, :, high - low:]
+        return grad, None, None
+
+
 def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, window: int | None = None,
                           piece_anchors: int | None = None):
     """The attention of all anchors' blocks without the [Q, T+Q] mask. Anchors are taken a piece
@@ -157,8 +181,10 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, w
     piece's own blocks (bidirectional; causal with the window in a sliding layer). The Q x Q
     region of the dense mask is never formed (at the flagship 67 M of the 92 M mask entries per
     sequence), nor the context after a piece's last anchor (anchors are sorted: about half of
-    [Q, T]); SDPA keeps no scores for backward. Same result as SDPA with `block_mask` (and
-    `window_mask`): tests/test_attention_rule.py checks both against the rule."""
+    [Q, T]); SDPA keeps no scores for backward. Queries are split in one autograd node and keys and
+    values gathered per piece by `_PieceRows`, so backward writes each gradient once. Same result
+    as SDPA with `block_mask` (and `window_mask`): tests/test_attention_rule.py checks both
+    against the rule."""
     b, h, q_len, d = q.shape
     a = anchors_BA.shape[1]
     block = q_len // a
@@ -166,26 +192,37 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, w
     starts = list(range(0, a, piece_anchors))
     bounds = torch.stack([torch.stack([anchors_BA[:, i:i + piece_anchors].min(), anchors_BA[:, i:i + piece_anchors].max()])
                           for i in starts]).tolist()  # one device sync for all pieces
-    slot = torch.arange(block, device=q.device)
-    pieces = []
+    spans = []
     for i, (low_anchor, high) in zip(starts, bounds):
-        j = min(i + piece_anchors, a)
         low = 0 if window is None else max(0, low_anchor - window + 1)
-        high = max(high, low)
-        keys = torch.cat([k[:, :, low:high], k[:, :, context_len + i * block:context_len + j * block]], dim=2)
-        values = torch.cat([v[:, :, low:high], v[:, :, context_len + i * block:context_len + j * block]], dim=2)
-        anchor = anchors_BA[:, i:j].repeat_interleave(block, dim=1)[..., None]          # [b, Qp, 1]
+        spans.append((low, max(high, low), i * block, min(i + piece_anchors, a) * block))
+    if len(spans) == 1 and spans[0][:2] == (0, context_len):
+        piece_keys, piece_values = (k,), (v,)
+    else:
+        piece_keys, piece_values = _PieceRows.apply(k, context_len, spans), _PieceRows.apply(v, context_len, spans)
+    piece_queries = q.split(piece_anchors * block, dim=2)
+    # The block part of a piece's mask depends only on the piece's size: built once per size.
+    block_masks: dict[int, torch.Tensor] = {}
+    pieces = []
+    for (low, high, q0, q1), i, queries, keys, values in zip(spans, starts, piece_queries, piece_keys, piece_values):
+        n = q1 - q0
+        if n not in block_masks:
+            own = torch.arange(n, device=q.device) // block
+            sees_block = own[:, None] == own[None, :]
+            if window is not None:
+                k_slot = torch.arange(n, device=q.device) % block
+                sees_block = sees_block & (k_slot[None, :] <= k_slot[:, None]) & (k_slot[None, :] > k_slot[:, None] - window)
+            block_masks[n] = sees_block
+        allowed = torch.empty(b, n, high - low + n, dtype=torch.bool, device=q.device)
+        anchor = anchors_BA[:, i:i + n // block].repeat_interleave(block, dim=1)[..., None]          # [b, n, 1]
         t = torch.arange(low, high, device=q.device)
-        sees_context = t < anchor
-        own = torch.arange((j - i) * block, device=q.device) // block
-        sees_block = own[:, None] == own[None, :]
+        sees_context = allowed[:, :, :high - low]
+        torch.lt(t, anchor, out=sees_context)
         if window is not None:
-            k_slot = slot.repeat(j - i)
-            sees_context = sees_context & (t > anchor + k_slot[:, None] - window)
-            sees_block = sees_block & (k_slot[None, :] <= k_slot[:, None]) & (k_slot[None, :] > k_slot[:, None] - window)
-        allowed = torch.cat([sees_context, sees_block.expand(b, -1, -1)], dim=-1)
-        pieces.append(F.scaled_dot_product_attention(q[:, :, i * block:j * block], keys, values,
-                                                     attn_mask=allowed[:, None], enable_gqa=True))
+            k_slot = torch.arange(n, device=q.device) % block
+            sees_context &= t > anchor + k_slot[:, None] - window
+        allowed[:, :, high - low:] = block_masks[n]
+        pieces.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed[:, None], enable_gqa=True))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 

@@ -109,6 +109,12 @@ class Trackers:
     def artifact(self, path: Path) -> None:
         self._each("the drafter artifact", lambda b: b.artifact(Path(path)))
 
+    def flush(self) -> None:
+        """Write out what the trackers buffer. The trainer calls it before each checkpoint, so a
+        run killed later and resumed from that checkpoint has every line up to it in the
+        trackers' stores (W&B offline excepted: it has no flush; see backends.WandB)."""
+        self._each("flushing", lambda b: b.flush())
+
     def close(self) -> None:
         self._each("closing", lambda b: b.close())
 

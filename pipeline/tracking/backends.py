@@ -43,6 +43,9 @@ class _Backend:
             raise PipelineError(f'--report-to {cls.name} needs the optional extra: pip install "dflash-pipeline[{cls.name}]" '
                                 f"({e})") from None
 
+    def flush(self) -> None:  # trackers that write as they go have nothing to flush
+        pass
+
     def artifact(self, path: Path) -> None:  # trackers without artifacts keep nothing
         pass
 
@@ -73,6 +76,9 @@ class TensorBoard(_Backend):
         self.writer.add_text(f"verdicts/{cause}", message, step)
         if figure is not None:
             self.writer.add_scalar(f"verdicts/{cause}", figure, step)
+        self.writer.flush()
+
+    def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
@@ -157,6 +163,10 @@ class MLflow(_Backend):
         if figure is not None:
             self.log(step, {f"verdicts/{cause}": figure})
 
+    def flush(self) -> None:
+        self._flush()
+        self._settle()
+
     def artifact(self, path: Path) -> None:
         self._flush()
         self._settle()
@@ -180,7 +190,12 @@ def _wandb_key_configured() -> bool:
 
 class WandB(_Backend):
     """A W&B run: $WANDB_MODE if set; else online when an API key is configured (WANDB_API_KEY or
-    `wandb login`'s netrc entry), offline under RUN/wandb when not (`wandb sync` uploads it later)."""
+    `wandb login`'s netrc entry), offline under RUN/wandb when not (`wandb sync` uploads it later).
+    W&B writes through its own helper process, which has no flush to call: when a run is killed
+    (SIGKILL), what it had not written yet is lost (measured: a killed 20-step segment left only
+    the transaction log's header). The resumed run continues the same run id from the checkpoint,
+    so W&B misses at most what was logged between the previous flush of its helper and the
+    checkpoint resumed from; train_log.jsonl has every line."""
 
     name, module = "wandb", "wandb"
 
