@@ -493,6 +493,7 @@ def demo(
     out: Annotated[Path, typer.Option(help="Folder for everything the demo writes.")] = Path("dflash-demo"),
     quick: Annotated[bool, typer.Option(help="A one-minute version (fewer conversations, steps and prompts).")] = False,
     report_to: Annotated[Optional[str], typer.Option(help="Experiment trackers for the training step (as `train --report-to`).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="The drafter's block size (default: the tiny preset's 8; 16 is the flagship's and takes longer, BENCHMARKS.md).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The whole pipeline on the embedded tiny target: extract, verify, train, speculative-decoding
@@ -500,7 +501,7 @@ def demo(
     from pipeline.ui import err_console
     from stages.demo import run_demo
 
-    summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to,
+    summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to, block_size=block_size,
                        say=lambda m: err_console.print(f"[bold]{m}[/]", highlight=False, markup=True))
     if json_out:
         from pipeline.ui import print_json
@@ -517,7 +518,7 @@ def _show_demo(s: dict) -> None:
         ("cache", f"{c['path']}: {c['tokens']:,} tokens in {c['shards']} shards, {c['bytes']:,} bytes, "
                   f"{c['bytes_per_token']:,.0f} bytes/token"),
         ("verify-cache", "all checks passed" if s["verify"]["passed"] else f"FAILED: {', '.join(s['verify']['failed_checks'])}"),
-        ("training", f"{t['steps']} steps: loss {t['loss']:.3f}, accuracy {t['accuracy']:.3f}, "
+        ("training", f"{t['steps']} steps, block {t['block_size']}: loss {t['loss']:.3f}, accuracy {t['accuracy']:.3f}, "
                      f"avg_streak {t['avg_streak']:.2f} (teacher-forced)"),
         ("eval", f"{e['prompts']} held-out prompts, outputs identical to greedy: {'yes' if e['lossless'] else 'NO'}"),
         ("tau (block)", f"{e['block_tau_mean_of_means']:.2f} mean of per-response means, {e['block_tau_pooled']:.2f} pooled"),

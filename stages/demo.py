@@ -19,7 +19,9 @@ FULL = {"conversations": None, "shards": 8, "max_steps": None, "prompts": None, 
 QUICK = {"conversations": 160, "shards": 2, "max_steps": 40, "prompts": 6, "budgets": [4]}
 
 
-def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report_to: str | None = None) -> dict:
+def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report_to: str | None = None,
+             block_size: int | None = None) -> dict:
+    from pipeline.drafter.blocks import default_gamma
     from pipeline.embedded import TRAIN_DATA
     from stages.eval import run_eval
     from stages.extract import run_extract
@@ -51,10 +53,13 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
     timings["verify_s"] = time.perf_counter() - start
     failed = [c["check"] for c in verified["checks"] if c["status"] == "fail"]
 
-    say("[3/5] train: the tiny preset" + (f", {plan['max_steps']} steps" if plan["max_steps"] else ", 6 epochs"))
+    say("[3/5] train: the tiny preset" + (f", block {block_size}" if block_size else "")
+        + (f", {plan['max_steps']} steps" if plan["max_steps"] else ", 6 epochs"))
     start = time.perf_counter()
     overrides = {"cache": str(out / "cache"), "out": str(out / "run"), "max_steps": plan["max_steps"],
-                 "report_to": report_to}
+                 "report_to": report_to, "block_size": block_size,
+                 # the preset's gamma is its block 8's: another block size takes DESIGN's gamma for it
+                 "gamma": default_gamma(block_size) if block_size else None}
     cfg, preset_target = resolve_config(None, overrides)
     from pipeline.ui import TrainView
     trained = run_train(cfg, preset_target=preset_target, view=TrainView(progress), warn=say)
@@ -84,7 +89,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
         "cache": {"path": str(out / "cache"), "tokens": tokens, "bytes": stored, "bytes_per_token": stored / max(tokens, 1),
                   "shards": len(manifest.shards)},
         "verify": {"passed": verified["passed"], "failed_checks": failed},
-        "train": {"steps": trained["steps"], **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
+        "train": {"steps": trained["steps"], "block_size": cfg.block_size, **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
                                                                            "ddtree_streak8")},
                   "drafter": trained["drafter"], "log": str(out / "run" / "train_log.jsonl")},
         "eval": {"prompts": evaluated["prompts"], "lossless": evaluated["lossless"],

@@ -112,12 +112,15 @@ def test_quick_demo_runs_the_whole_pipeline(tmp_path):
     (guard / "sitecustomize.py").write_text(NETWORK_GUARD)
     attempts = tmp_path / "network-attempts.log"
     env = {"PYTHONPATH": str(guard), "NETWORK_ATTEMPTS": str(attempts), "HF_HUB_OFFLINE": "0"}
-    result = cli("demo", "--quick", "--out", str(tmp_path / "demo"), "--json", env=env)
+    result = cli("demo", "--quick", "--block-size", "16", "--out", str(tmp_path / "demo"), "--json", env=env)
     assert not attempts.exists(), attempts.read_text()
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
     assert summary["verify"]["passed"] and summary["eval"]["lossless"]
     assert summary["train"]["steps"] == 40 and summary["eval"]["prompts"] == 6
+    assert summary["train"]["block_size"] == 16  # the flagship's block size instead of the preset's 8
+    assert json.loads((tmp_path / "demo" / "run" / "drafter" / "config.json").read_text())["block_size"] == 16
+    assert json.loads((tmp_path / "demo" / "run" / "run.json").read_text())["config"]["gamma"] == 7.0  # DESIGN 3.4
     assert summary["cache"]["bytes_per_token"] > 0 and len(summary["report"]["plots"]) == 4
     for stage in ("[1/5] extract", "[3/5] train", "[5/5] report"):
         assert stage in result.stderr
