@@ -163,8 +163,10 @@ class _PieceRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        given = next(g for g in grads if g is not None)
-        grad = given.new_zeros(ctx.shape)
+        given = [g for g in grads if g is not None]
+        if not given:  # no piece reached the loss
+            return None, None, None
+        grad = given[0].new_zeros(ctx.shape)
         c = ctx.context_len
         for g, (low, high, q0, q1) in zip(grads, ctx.spans):
             if g is not None:
