@@ -261,7 +261,8 @@ def main() -> None:
         field, _, value = item.partition("=")
         if field not in vars(g) or not value.lstrip("-").replace(".", "", 1).isdigit():
             parser.error(f"--set {item!r}: expected FIELD=NUMBER with FIELD one of {', '.join(vars(g))}")
-        setattr(g, field, type(getattr(g, field))(float(value)) if isinstance(getattr(g, field), int) else float(value))
+        number = float(value)
+        setattr(g, field, int(number) if isinstance(getattr(g, field), int) else number)
 
     ours_model = build_ours(g, args.seed)
     batch = build_batch(g, ours_model.lm_head_weight.detach(), args.seed + 1)

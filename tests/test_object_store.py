@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, cli, manifest_json, write_rows
+from extract_helpers import REPO, assert_same_content, manifest_json, write_rows
 from s3_helpers import KEY_ID, SECRET, MotoServer, Outage, download, needs_s3, objects
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract

@@ -204,26 +204,25 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, w
         piece_keys, piece_values = _PieceRows.apply(k, context_len, spans), _PieceRows.apply(v, context_len, spans)
     piece_queries = q.split(piece_anchors * block, dim=2)
     # The block part of a piece's mask depends only on the piece's size: built once per size.
-    block_masks: dict[int, torch.Tensor] = {}
+    block_masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     pieces = []
     for (low, high, q0, q1), i, queries, keys, values in zip(spans, starts, piece_queries, piece_keys, piece_values):
         n = q1 - q0
-        if n not in block_masks:
-            own = torch.arange(n, device=q.device) // block
+        if n not in block_masks:  # (slot of each query, block part of the mask) per piece size
+            own, k_slot = torch.arange(n, device=q.device) // block, torch.arange(n, device=q.device) % block
             sees_block = own[:, None] == own[None, :]
             if window is not None:
-                k_slot = torch.arange(n, device=q.device) % block
                 sees_block = sees_block & (k_slot[None, :] <= k_slot[:, None]) & (k_slot[None, :] > k_slot[:, None] - window)
-            block_masks[n] = sees_block
+            block_masks[n] = (k_slot, sees_block)
+        k_slot, sees_block = block_masks[n]
         allowed = torch.empty(b, n, high - low + n, dtype=torch.bool, device=q.device)
         anchor = anchors_BA[:, i:i + n // block].repeat_interleave(block, dim=1)[..., None]          # [b, n, 1]
         t = torch.arange(low, high, device=q.device)
         sees_context = allowed[:, :, :high - low]
         torch.lt(t, anchor, out=sees_context)
         if window is not None:
-            k_slot = torch.arange(n, device=q.device) % block
             sees_context &= t > anchor + k_slot[:, None] - window
-        allowed[:, :, high - low:] = block_masks[n]
+        allowed[:, :, high - low:] = sees_block
         pieces.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed[:, None], enable_gqa=True))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
