@@ -308,3 +308,53 @@ def _dist_version(name: str) -> str:
     from importlib.metadata import version
     return version(name)
 
+
+
+class GemmFloor:
+    """Not an implementation: only the matrix multiplies that any exact implementation of this
+    step has to do, as plain `torch.mm` on random tensors of the same shapes, dtype and threads.
+    Its time is a lower bound on any step's, so a peer's time over it is the most that any
+    implementation of the same objective could lead that peer by (issue 32).
+
+    Counted (forward, weight gradient, input gradient): fc on the context tokens (no input
+    gradient: the tapped states are data); per layer the context's k/v projections (T rows), the
+    block tokens' k/v projections (Q rows), q/o and the MLP (Q rows, Q - A in the last layer,
+    whose slot-0 outputs nothing reads); the frozen lm_head on the supervised slots (forward and
+    input gradient only). Left out, so the floor is lower than any real step: attention (its
+    score and value products), norms, RoPE, activations, the softmax and every copy; and the
+    first layer's block-token projections are counted once per distinct input row (slots 1.. of
+    every block are the same mask embedding) rather than Q times."""
+
+    name = "gemm_floor"
+    attention = "none: matrix multiplies only (a lower bound on any step)"
+    version = "-"
+
+    def __init__(self, g: Geometry, seed: int = 0):
+        self.model = nn.Module()  # nothing trainable: the timing loop's zero_grad is a no-op
+        gen = torch.Generator().manual_seed(seed)
+        h, kv, qd, inter = g.hidden, g.kv_heads * g.head_dim, g.heads * g.head_dim, g.intermediate
+        queries, supervised = g.anchors * g.block, g.anchors * (g.block - 1)
+        shapes = [(g.tokens, g.taps * h, h, False)]  # (rows, in, out, input gradient needed)
+        for layer in range(g.layers):
+            last = layer == g.layers - 1
+            rows = supervised if last else queries
+            block_rows = g.anchors + 1 if layer == 0 else queries  # distinct inputs of the first layer
+            shapes += [(g.tokens, h, kv, True)] * 2 + [(block_rows, h, kv, True)] * 2
+            shapes += [(block_rows if layer == 0 else rows, h, qd, True), (rows, qd, h, True)]
+            shapes += [(rows, h, inter, True)] * 2 + [(rows, inter, h, True)]
+        self.products = []  # (a, b) pairs: each is one torch.mm
+        for rows, n_in, n_out, input_grad in shapes:
+            x = torch.randn(rows, n_in, generator=gen)
+            w = torch.randn(n_in, n_out, generator=gen)
+            dy = torch.randn(rows, n_out, generator=gen)
+            self.products += [(x, w), (x.t(), dy)] + ([(dy, w.t())] if input_grad else [])
+        x = torch.randn(supervised, h, generator=gen)
+        head = torch.randn(h, g.vocab, generator=gen)
+        dlogits = torch.randn(supervised, g.vocab, generator=gen)
+        self.products += [(x, head), (dlogits, head.t())]
+        self.flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in self.products)
+
+    def step(self) -> float:
+        for a, b in self.products:
+            torch.mm(a, b)
+        return float("nan")

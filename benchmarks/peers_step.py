@@ -85,7 +85,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from peers_impls import CONFIGS, Ours, OursAt, SpecForge, Speculators, build_batch, build_ours  # puts the repo on sys.path
+from peers_impls import CONFIGS, GemmFloor, Ours, OursAt, SpecForge, Speculators, build_batch, build_ours  # puts the repo on sys.path
 from pipeline.drafter.batch import final_hidden
 from pipeline.drafter.loss import supervised_loss
 
@@ -154,6 +154,15 @@ def per_round(times: dict[str, list[float]], base: str) -> dict:
         out[name] = {"rounds": [round(r, 2) for r in ratios], "median": round(statistics.median(ratios), 2),
                      "spread": round(spread, 2), "headline": spread <= MAX_ROUND_SPREAD}
     return out
+
+
+def floor_bounds(floor: GemmFloor, times: dict[str, list[float]]) -> dict:
+    """Each implementation's time over the floor's, round by round: for a peer, the most that any
+    implementation of the same objective could lead it by on this machine."""
+    over = per_round(times, floor.name)
+    return {"floor_gflop": round(floor.flops / 1e9, 1),
+            "floor_gflops_per_second": round(floor.flops / 1e9 / statistics.median(times[floor.name]), 1),
+            "over_floor": {k: {"rounds": v["rounds"], "median": v["median"]} for k, v in over.items()}}
 
 
 def profile_ours(impl: Ours, rows: int = 15) -> dict:
@@ -239,6 +248,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--before", metavar="REV",
                         help="also time ours with split_block_attention as it was at git revision REV (before/after in one run)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the step's unavoidable matrix multiplies alone (GemmFloor): the most any "
+                             "implementation could lead each peer by")
     parser.add_argument("--profile", action="store_true", help="also break our step down (a few extra steps)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON, not as key: value lines")
     args = parser.parse_args()
@@ -283,6 +295,8 @@ def main() -> None:
         checks[impl.name] = compare(ours_loss, ours_grads, loss, impl.grads())
         impl.model.zero_grad(set_to_none=True)
     del ours_grads
+    if args.floor:  # timed in the rounds like the others; no loss or gradients to check
+        impls.append(GemmFloor(g))
 
     times = {impl.name: [] for impl in impls}
     cpu = {impl.name: [] for impl in impls}
@@ -298,7 +312,9 @@ def main() -> None:
             impl.model.zero_grad(set_to_none=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    ratios, ratios_cpu = per_round(times, "ours"), per_round(cpu, "ours")
+    steps_only = {k: v for k, v in times.items() if k != GemmFloor.name}  # the floor is no implementation
+    ratios = per_round(steps_only, "ours")
+    ratios_cpu = per_round({k: v for k, v in cpu.items() if k != GemmFloor.name}, "ours")
 
     result = {
         "config": args.config, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -316,6 +332,7 @@ def main() -> None:
         "ours_speedup_cpu_rounds": ratios_cpu,
         "ours_speedup": {k: (v["median"] if v["headline"] else None) for k, v in ratios.items()},
         "ours_speedup_cpu": {k: (v["median"] if v["headline"] else None) for k, v in ratios_cpu.items()},
+        **(floor_bounds(impls[-1], times) if args.floor else {}),
         "others_cpu_share_max": max(x["others_cpu_share"] for x in rounds),
         "load_average_1min": round(_load(), 2),
     }
@@ -342,6 +359,9 @@ def main() -> None:
                    f"no headline ratio against {name}: rounds disagree by {v['spread']:.2f}x (> {MAX_ROUND_SPREAD}); "
                    "rerun on an idle machine")
         print(f"{verdict} (rounds {rounds_text})")
+    for name, v in result.get("over_floor", {}).items():
+        print(f"{name}: {v['median']:.2f}x the matrix-multiply floor (rounds {', '.join(f'{r:.2f}' for r in v['rounds'])})"
+              + ("" if name.startswith("ours") else f": no implementation can lead {name} by more"))
 
 
 if __name__ == "__main__":
