@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.embedded import TARGET_DIR  # noqa: E402
 from pipeline.data.shard_plan import shard_rows  # noqa: E402
-from stages.extract import length_batches, run_extract  # noqa: E402
+from pipeline.data.samples import length_batches  # noqa: E402
+from stages.extract import run_extract  # noqa: E402
 
 
 def build_target(out: Path, hidden: int, layers: int) -> Path:

@@ -40,13 +40,11 @@ from pipeline.drafter.model import DFlashDrafter
 from pipeline.drafter.stream import SampleStream, StreamState
 from pipeline.target import read_target_facts, resolve_target
 from stages.extract import run_extract
+from pipeline.drafter.geometry import drafter_config
+from pipeline.drafter.plan import make_plan
 from pipeline.drafter.step import StepRunner
-from stages.train import (
-    drafter_config,
-    frozen_target_modules,
-    make_plan,
-    resolve_config,
-)
+from pipeline.target import frozen_target_modules
+from stages.train import resolve_config
 
 
 def cache_or_extract(cache: Path | None, tmp: str) -> Path:

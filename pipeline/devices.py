@@ -1,16 +1,19 @@
-"""Where a command runs the target and the drafter: `--device` / `--dtype` as eval and generate take them."""
+"""Where a command runs the target and the drafter: the one resolver of `--device` / `--dtype`
+(eval, generate, verify-cache) and of extract's and train's automatic choice."""
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.distributed import local_rank
 from pipeline.errors import PipelineError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32."""
+    """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32.
+    A bare `cuda` is this process's GPU (LOCAL_RANK under torchrun)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -21,8 +24,14 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
         raise PipelineError(f"--device: {device!r} is not supported (auto, cpu, cuda, cuda:N)")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise PipelineError(f"--device {device}: no CUDA device is available here")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", local_rank())
     if dtype == "auto":
         return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
     return resolved, DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

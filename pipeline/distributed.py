@@ -1,7 +1,9 @@
-"""Process layout under torchrun: world = dp groups x tp ranks. Single process without torchrun.
+"""Process layout under torchrun, and the one place that reads torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_*). Single process without torchrun.
 
-Ranks r = g * tp + t: group g (data parallel) splits the shards; the tp ranks of one group run
-one tensor-parallel model together, and only the group's first rank writes.
+Extract: world = dp groups x tp ranks (`init_layout`); ranks r = g * tp + t: group g (data
+parallel) splits the shards; the tp ranks of one group run one tensor-parallel model together,
+and only the group's first rank writes. Train: every rank is data parallel (`init_data_parallel`).
 """
 
 from __future__ import annotations
@@ -51,20 +53,46 @@ class Layout:
         return box[0]
 
 
+def launched_rank() -> int:
+    """This process's global rank as torchrun set it (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """This process's rank on its node (its GPU index)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _init_process_group() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def init_data_parallel() -> tuple[int, int]:
+    """(rank, world size) of a data-parallel run; the process group is started when world > 1."""
+    world = launched_world_size()
+    if world == 1:
+        return 0, 1
+    _init_process_group()
+    return dist.get_rank(), world
+
+
 def init_layout(tp: int) -> Layout:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size()
     if world_size == 1:
         if tp != 1:
             raise PipelineError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp}")
         return Layout()
     if world_size % tp:
         raise PipelineError(f"world size {world_size} is not a multiple of --tp {tp}")
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+    _init_process_group()
     rank = dist.get_rank()
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
     tp_group = None
     if tp > 1:
         for g in range(world_size // tp):
@@ -75,6 +103,11 @@ def init_layout(tp: int) -> Layout:
 
 
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def first_launch() -> bool:
+    """False in a worker that torchrun restarted (--max-restarts): one-time warnings stay quiet."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
 
 def elastic_restart_hazard() -> str | None:

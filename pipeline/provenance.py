@@ -4,7 +4,7 @@ Kernel provenance for the linear-attention ops of transformers' qwen3_5 modeling
 binds each op at import time (hub kernels, then fla / causal_conv1d, then the torch reference)
 inside a wrapper closure. `bound_kernels` reads what was bound; `KernelCallCounter` counts what
 was actually called during a forward, by wrapping the module globals the layers call through
-(both in pipeline/transformers_internals.py); `kernel_record` puts them together.
+(both in pipeline/target/internals.py); `kernel_record` puts them together.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.transformers_internals import bound_kernels, modeling_module_of
+from pipeline.target.internals import bound_kernels, modeling_module_of
 
 
 def kernel_record(model, counts: dict[str, int]) -> dict:
@@ -79,6 +79,11 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def file_records(paths: list[Path]) -> list[dict]:
+    """How a dataset's files are recorded (extract's manifest, generate's plan): name, size, sha256."""
+    return [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]
 
 
 def files_digest(paths: list[Path]) -> str:

@@ -9,72 +9,18 @@ seconds on the tiny target.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import torch
-
-from pipeline.errors import PipelineError
-from pipeline.taps import default_taps
+from pipeline.data.conversations import iter_rows
 from pipeline.target import chat_template_sha256, load_model, load_tokenizer, read_target_facts
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise PipelineError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
-    return rows
-
-
-def load_target(path: Path):
-    """(model, tokenizer) from a local directory, float32, eval mode, nothing downloaded."""
-    tokenizer = load_tokenizer(path)
-    return load_model(path), tokenizer
-
-
-@torch.no_grad()
-def self_agreement(model, tokenizer, conversations: list[list[dict]], end_of_turn: str) -> dict:
-    """Share of supervised tokens the target predicts itself (teacher-forced top-1)."""
-    from pipeline.data.loss_mask import tokenize_conversation
-
-    same = total = 0
-    start = time.perf_counter()
-    num_tokens = 0
-    for messages in conversations:
-        sample = tokenize_conversation(tokenizer, messages, end_of_turn)
-        ids = torch.tensor([sample.input_ids])
-        predicted = model(input_ids=ids).logits[0, :-1].argmax(-1)
-        mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
-        same += (predicted == ids[0, 1:])[mask].sum().item()
-        total += int(mask.sum())
-        num_tokens += ids.shape[1]
-    seconds = time.perf_counter() - start
-    return {"agreement": same / max(total, 1), "supervised_tokens": total, "conversations": len(conversations),
-            "forward_tokens_per_s": num_tokens / seconds}
-
-
-def layer_pattern(layer_types: list[str]) -> str:
-    """['linear_attention'] * 3 + ['full_attention'] -> 'linear x3, full'."""
-    runs: list[list] = []
-    for kind in layer_types:
-        short = kind.removesuffix("_attention")
-        if runs and runs[-1][0] == short:
-            runs[-1][1] += 1
-        else:
-            runs.append([short, 1])
-    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in runs)
+from pipeline.target.describe import layer_pattern, self_agreement
+from pipeline.target.taps import default_taps
 
 
 def target_summary(target_dir: Path, *, heldout: Path | None = None, build_report: Path | None = None,
                    num_check: int = 16, num_taps: int = 3) -> dict:
     facts = read_target_facts(target_dir)
-    model, tokenizer = load_target(target_dir)
+    model, tokenizer = load_model(target_dir), load_tokenizer(target_dir)
     mask_token = "<|MASK|>"
     summary = {
         "target_dir": str(target_dir),
@@ -97,8 +43,8 @@ def target_summary(target_dir: Path, *, heldout: Path | None = None, build_repor
         summary["build"] = {"seed": report["seed"], "heldout_accuracy": report["heldout_accuracy"]["accuracy"],
                             "train_seconds": round(report["seconds"]["train"], 1), "dataset": report["dataset"]}
     if heldout is not None:
-        rows = read_jsonl(heldout)
+        rows = list(iter_rows([heldout]))
         summary["heldout_conversations"] = len(rows)
-        summary["self_agreement"] = self_agreement(model, tokenizer, [r["messages"] for r in rows[:num_check]],
+        summary["self_agreement"] = self_agreement(model, tokenizer, [r.messages for r in rows[:num_check]],
                                                    tokenizer.eos_token)
     return summary

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from pipeline.cache.checks import (
     Check,
@@ -34,6 +33,7 @@ from pipeline.cache.sample_checks import check_loss_masks, check_mask_boundaries
 from pipeline.cache.schema import shard_index, shard_name
 from pipeline.data.loss_mask import token_kinds
 from pipeline.data.shard_plan import parse_shards
+from pipeline.devices import resolve_device
 from pipeline.errors import PipelineError
 from pipeline.target import identity_claims, load_model, load_tokenizer, resolve_target
 from pipeline.ui import ProgressBar
@@ -66,19 +66,6 @@ def check_target_identity(reader: CacheReader, target_dir: Path, tokenizer) -> C
                  {"problems": problems, "fields": [d.field for d in differences]})
 
 
-def compute_placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """Where the model-based checks run: a GPU in bfloat16 when one is present, else CPU float32."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise PipelineError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if dtype not in ("auto", "float32", "bfloat16"):
-        raise PipelineError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise PipelineError("--device cuda: no CUDA device is available here")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    chosen = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    return chosen, getattr(torch, dtype if dtype != "auto" else ("bfloat16" if use_cuda else "float32"))
-
-
 def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
                tail_rate: float = 1.0, sample_rate: float = 1.0, seed: int = 0, device: str = "auto",
                dtype: str = "auto", progress: bool = False) -> dict:
@@ -89,7 +76,7 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
         raise PipelineError(f"--tail-rate must be in [0, 1], got {tail_rate}")
     if recompute < 0:
         raise PipelineError(f"--recompute must be >= 0, got {recompute}")
-    placement = compute_placement(device, dtype)
+    placement = resolve_device(device, dtype)
     location = open_location(cache_dir)
     location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     try:

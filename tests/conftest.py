@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -26,16 +27,19 @@ def target(embedded):
     return AutoModelForCausalLM.from_pretrained(embedded.TARGET_DIR, local_files_only=True, dtype=torch.float32).eval()
 
 
+def _jsonl(path) -> list[dict]:
+    """The file's rows as written (the tests' own reading, not the pipeline's parser)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="session")
 def heldout_rows(embedded):
-    from stages.summary import read_jsonl
-    return read_jsonl(embedded.HELDOUT_DATA)
+    return _jsonl(embedded.HELDOUT_DATA)
 
 
 @pytest.fixture(scope="session")
 def train_rows(embedded):
-    from stages.summary import read_jsonl
-    return read_jsonl(embedded.TRAIN_DATA)
+    return _jsonl(embedded.TRAIN_DATA)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """One owner per concept (issue 20): the typed manifest record, its one identity comparison, and
 the one target resolver. Oracles: the manifest file as written on disk, fields changed by hand,
-and the resolution rule as stated in pipeline/target.py."""
+and the resolution rule as stated in pipeline/target/facts.py."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_a_mask_id_that_occurs_in_the_data_is_refused(tmp_path, train_rows):
 
 def test_the_mask_token_may_be_an_id_and_must_be_reserved(cache, embedded):
     from pipeline.target import read_target_facts
-    from stages.train import mask_token_id
+    from pipeline.drafter.geometry import mask_token_id
 
     facts = read_target_facts(embedded.TARGET_DIR)
     assert mask_token_id(499, embedded.TARGET_DIR, facts) == mask_token_id("<|MASK|>", embedded.TARGET_DIR, facts) == 499

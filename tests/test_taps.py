@@ -2,7 +2,7 @@ import pytest
 
 from manifests import load_preset, preset_names
 from pipeline.errors import PipelineError
-from pipeline.taps import default_taps, hidden_state_indices, validate_taps
+from pipeline.target.taps import default_taps, hidden_state_indices, validate_taps
 
 
 def test_default_taps_match_design():

@@ -51,7 +51,7 @@ def test_learned_its_tasks(target, tokenizer):
 def test_dataset_responses_are_the_targets_own(target, tokenizer, heldout_rows):
     """Teacher-forced on its own held-out responses the target predicts (nearly) every token;
     a dataset written by anything else would not agree this well."""
-    from stages.summary import self_agreement
+    from pipeline.target.describe import self_agreement
     result = self_agreement(target, tokenizer, [r["messages"] for r in heldout_rows[:40]], tokenizer.eos_token)
     assert result["agreement"] >= 0.98, result
 

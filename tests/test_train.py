@@ -22,7 +22,9 @@ from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.errors import PipelineError
 from pipeline.target import read_target_facts
-from stages.train import drafter_config, frozen_target_modules, resolve_config, run_train
+from pipeline.drafter.geometry import drafter_config
+from pipeline.target import frozen_target_modules
+from stages.train import resolve_config, run_train
 
 DESIGN_KEYS = {"step", "epoch", "loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4",
                "ddtree_streak8", "pos_acc", "lr", "grad_norm", "noise_std", "tok_per_sec", "elapsed_s"}

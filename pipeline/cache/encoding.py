@@ -33,3 +33,19 @@ def encode_fp8(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 def decode_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     q = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float()
     return q * torch.from_numpy(np.ascontiguousarray(scale)).unsqueeze(-1)
+
+
+def encode_rows(hidden_format: str, ids: list[int], mask: list[int], out: dict) -> dict[str, np.ndarray]:
+    rows = {
+        "input_ids": np.asarray(ids, dtype=np.int32),
+        "loss_mask": np.asarray(mask, dtype=np.uint8),
+        "target_argmax": out["target_argmax"].numpy().astype(np.int32),
+        "target_topk_ids": out["target_topk_ids"].numpy().astype(np.int32),
+        "target_topk_logits": out["target_topk_logits"].numpy().astype(np.float32),
+        "target_logsumexp": out["target_logsumexp"].numpy().astype(np.float32),
+    }
+    if hidden_format == "bf16":
+        rows["hidden"] = encode_bf16(out["hidden"])
+    else:
+        rows["hidden"], rows["hidden_scale"] = encode_fp8(out["hidden"])
+    return rows

@@ -17,10 +17,10 @@ import torch
 from pipeline.cache.checks import Check, SampleList, sound_shards
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sample_checks import shard_tokens
-from pipeline.capture import LogitChunks, logsumexp_, tail_forward
+from pipeline.target.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
 from pipeline.provenance import kernel_record
-from pipeline.transformers_internals import KernelCallCounter
+from pipeline.target.internals import KernelCallCounter
 
 # How far a stored prediction may be from the tail recompute, in logits, by hidden format: the
 # stored tap is rounded to bf16 (or fp8), so the recompute starts from a slightly different

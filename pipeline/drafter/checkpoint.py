@@ -14,14 +14,24 @@ import os
 import re
 import resource
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.cache.files import describe_os_error, fsync_dir, fsync_tree
+from pipeline.cache.manifest import Manifest
+from pipeline.config import TrainConfig
 from pipeline.drafter.export import export_drafter, read_config
+from pipeline.drafter.step import all_sum
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
+
+# Options that may change between a checkpoint and its resume without changing the result
+# (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
+RESUMABLE_CHANGES = {"out", "cache", "cache_local", "cache_local_size", "target", "log_every", "checkpoint_every", "keep_checkpoints", "prefetch",
+                     "loader_workers", "allow_mixed_provenance", "allow_incomplete_cache", "micro_batch_sequences",
+                     "report_to", "verdict_every"}
 
 STATE_VERSION = 1
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -118,3 +128,77 @@ def load_checkpoint(path: Path, *, drafter, optimizer, device) -> None:
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@dataclass
+class Position:
+    """Where a run is: steps done, the epoch and the sample position in it, and the totals a
+    resumed run carries over."""
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    elapsed0: float = 0.0
+    tokens0: int = 0
+
+
+def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict, drafter, optimizer, device
+                    ) -> tuple[Position, bool]:
+    """(where the run starts, whether it resumed): the last checkpoint under `out` loaded into the
+    drafter and optimizer when there is one and it may be resumed (same config but for
+    RESUMABLE_CHANGES, same cache); a fresh start otherwise."""
+    found = list_checkpoints(out)
+    if not found:
+        return Position(), False
+    if not resume:
+        raise PipelineError(f"{out}: has checkpoints up to {found[-1].name}; resume (the default) or choose a new --out")
+    state = read_state(found[-1])
+    check_resumable(found[-1], state, cfg, identity)
+    load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer, device=device)
+    return Position(step=state["step"], epoch=state["epoch"], position=state["position"],
+                    elapsed0=state.get("elapsed_s", 0.0), tokens0=state.get("tokens_seen", 0)), True
+
+
+def cache_identity(manifest: Manifest) -> dict:
+    """What a checkpoint remembers of its cache: a resume on different data is refused."""
+    return {"capture": asdict(manifest.identity.capture), "data": asdict(manifest.identity.data),
+            "shards": {name: rec.digest for name, rec in sorted(manifest.shards.items())}}
+
+
+def check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -> None:
+    saved = state["config"]
+    now = asdict(cfg)
+    changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise PipelineError(f"{path}: cannot resume, the run's config changed ({detail}); "
+                            "use the same options or a new --out")
+    if state.get("cache") != identity:
+        raise PipelineError(f"{path}: cannot resume, the cache differs from the one this run trained on "
+                            "(taps, data or shard digests changed)")
+
+
+def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world,
+                      device):
+    """Rank 0 writes the checkpoint (the optimizer state consolidated to it first); every rank
+    learns whether that failed."""
+    # The position is normalised to the start of the next epoch when this one is used up.
+    failure = None
+    if world > 1:
+        optimizer.consolidate_state_dict(to=0)  # a collective: rank 0 then holds the whole state
+    if rank == 0:
+        try:
+            save_checkpoint(out, step=step, drafter=drafter, optimizer=optimizer, keep=cfg.keep_checkpoints,
+                            state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
+                                   "world_size": world, "config": asdict(cfg), "cache": identity})
+        except PipelineError as e:
+            failure = e
+    # Every rank learns whether rank 0's write failed (a full disk, say), so that all stop with
+    # the error instead of the others waiting on a collective that rank 0 never joins.
+    if world > 1 and all_sum(torch.tensor([int(failure is not None)]), world, device).item() and failure is None:
+        raise PipelineError(f"step {step}: rank 0 could not write the checkpoint (its error says why); "
+                            "the last complete checkpoint is kept")
+    if failure is not None:
+        raise failure

@@ -8,7 +8,10 @@ the same linear-attention kernels unless the user accepts mixed provenance expli
 
 from __future__ import annotations
 
-from pipeline.cache.manifest import Manifest
+from pathlib import Path
+
+from manifests import load_preset, preset_names
+from pipeline.cache.manifest import Manifest, read_manifest
 from pipeline.errors import PipelineError
 
 # Target facts a preset's [target] table may state, as cache identity fields.
@@ -62,3 +65,15 @@ def check_compatible(manifest: Manifest, *, target: str, target_claims: dict, ta
                                 "linear-attention kernels differ numerically. Re-extract, or pass "
                                 "--allow-mixed-provenance to train anyway")
         warn(f"training on mixed kernel provenance (--allow-mixed-provenance): {detail}")
+
+
+def match_preset(cache: str | Path) -> str | None:
+    """The preset whose [target] (layers, hidden size, vocab) matches the cache's target."""
+    manifest = read_manifest(cache)
+    if manifest is None:
+        return None
+    for name in preset_names():
+        target = load_preset(name).get("target", {})
+        if not manifest.identity.differences({f"capture.{k}": target.get(k) for k in PRESET_FIELDS}):
+            return name
+    return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.speculative.live_target import LiveTarget
+from pipeline.target.live import LiveTarget
 
 
 @dataclass

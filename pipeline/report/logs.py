@@ -68,3 +68,19 @@ def read_run(path: Path, steps_per_epoch: float | None = None) -> Run:
         found = [r["steps_per_epoch"] for r in records if isinstance(r.get("steps_per_epoch"), (int, float))]
         steps_per_epoch = float(found[-1]) if found else None
     return Run(path.parent.name if path.name == "train_log.jsonl" else path.stem, path, records, steps_per_epoch)
+
+
+def log_path(path: Path) -> Path:
+    path = Path(path)
+    return path / "train_log.jsonl" if path.is_dir() else path
+
+
+def run_finished(log: Path) -> bool:
+    """A run is over when its log reached the plan's last step (run.json beside the log)."""
+    log = log_path(log)
+    try:
+        total = json.loads((log.parent / "run.json").read_text())["plan"]["total_steps"]
+        lines = log.read_text(encoding="utf-8").splitlines()
+        return bool(lines) and json.loads(lines[-1]).get("step", 0) >= total
+    except (OSError, KeyError, ValueError, json.JSONDecodeError):
+        return False

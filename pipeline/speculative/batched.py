@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.speculative.decode import Decoded, _finish, _follow, drafting
-from pipeline.speculative.live_target import LiveTarget
+from pipeline.target.live import LiveTarget
 from pipeline.speculative.tree import DraftTree, build_tree
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.drafter.incremental import DraftContext
-from pipeline.speculative.live_target import LiveTarget
+from pipeline.target.live import LiveTarget
 from pipeline.speculative.tree import build_tree
 
 

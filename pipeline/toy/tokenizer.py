@@ -12,7 +12,7 @@ import json
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from pipeline.toy.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, SPECIAL_TOKENS
-from pipeline.transformers_internals import qwen3_5_pretokenizer
+from pipeline.target.internals import qwen3_5_pretokenizer
 
 PRETOKENIZE_REGEX, Qwen3_5Tokenizer = qwen3_5_pretokenizer()
 

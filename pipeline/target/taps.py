@@ -8,6 +8,8 @@ and it is the source of the target's own prediction.
 
 from __future__ import annotations
 
+from manifests import load_preset
+from pipeline.config import EMBEDDED
 from pipeline.errors import PipelineError
 
 # Recorded with every cache and checkpoint so nobody has to guess the convention.
@@ -49,3 +51,11 @@ def validate_taps(taps: list[int], num_layers: int) -> None:
 def hidden_state_indices(taps: list[int]) -> list[int]:
     """Indices into a transformers `hidden_states` tuple for these taps."""
     return [t + 1 for t in taps]
+
+
+def taps_for(target: str, num_layers: int) -> list[int]:
+    """The taps extract uses when --layers is not given: the tiny preset's for the embedded
+    target, else five spread over the layers (`default_taps`)."""
+    if target == EMBEDDED:
+        return list(load_preset("tiny")["target"]["target_layer_ids"])
+    return default_taps(num_layers, 5)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline import transformers_internals as internals
-from pipeline.capture import tapped_layers
+from pipeline.target import internals, tree_internals
+from pipeline.target.capture import tapped_layers
 
 
 @dataclass
@@ -65,7 +65,7 @@ class LiveTarget:
         return Step(out.logits[0].float(), taps.stacked()[0] if with_hidden else None, out.cache)
 
     def tapped(self, enabled: bool = True):
-        """The tapped layers' outputs during a forward (pipeline/capture.py `tapped_layers`)."""
+        """The tapped layers' outputs during a forward (pipeline/target/capture.py `tapped_layers`)."""
         return tapped_layers(self.model, self.taps, enabled)
 
     @torch.no_grad()
@@ -73,7 +73,7 @@ class LiveTarget:
         """`run` with `state` recording: `commit` can then keep any prefix of `tokens`. `state` is
         consumed (no copy of the whole cache per step; the committed state comes from `commit`)."""
         internals.start_recording(state)
-        with internals.recording_states() as states:
+        with tree_internals.recording_states() as states:
             step = self.run(tokens, state, start, with_hidden=with_hidden)
         return Verified(step, len(tokens), states)
 
@@ -86,7 +86,7 @@ class LiveTarget:
         recording = internals.repeat_state(state, rows.shape[0])   # a copy already
         internals.start_recording(recording)
         positions = torch.arange(start, start + rows.shape[1], device=self.device)[None].expand(rows.shape[0], -1)
-        with internals.recording_states() as states, self.tapped() as taps:
+        with tree_internals.recording_states() as states, self.tapped() as taps:
             out = self.model(input_ids=rows, position_ids=positions, cache=recording, use_cache=True)
         self.passes += 1
         self.tokens += rows.numel()
@@ -109,7 +109,7 @@ class LiveTarget:
         tokens[0] is the root (at position `start`), parents[i] < i is token i's parent (-1 for
         the root). Full-attention layers see the committed cache plus the token's ancestors
         (an ancestor mask); linear-attention layers start each token from its parent's
-        recurrent state and convolve over its ancestors' inputs (`internals.tree_rules`).
+        recurrent state and convolve over its ancestors' inputs (`tree_internals.tree_rules`).
         Logits [N, V] and tapped hidden states [N, n, H] per token; `commit_path` keeps one root
         path. `state` is consumed (the committed state comes from `commit_path`)."""
         verified = self.verify_trees([tokens], [parents], Rows(state, None, [start]))
@@ -137,7 +137,7 @@ class LiveTarget:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
         internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths
-        with internals.tree_rules(parents) as inputs, self.tapped() as taps:
+        with tree_internals.tree_rules(parents) as inputs, self.tapped() as taps:
             out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True,
                              attention_mask=internals.attention_masks(self.model, visible))
         self.passes += 1
@@ -155,7 +155,7 @@ class LiveTarget:
     @staticmethod
     def commit_paths(verified: TreeVerified, paths: list[list[int]]) -> Rows:
         """`commit_path` for each row of `verify_trees`; the rows move on by their paths' lengths."""
-        valid = internals.keep_path(verified.step.state, verified.length, paths, verified.states, verified.rows.valid)
+        valid = tree_internals.keep_path(verified.step.state, verified.length, paths, verified.states, verified.rows.valid)
         return Rows(verified.step.state, valid, [s + len(p) for s, p in zip(verified.rows.starts, paths)])
 
     @torch.no_grad()
@@ -214,6 +214,6 @@ class Rows:
 class TreeVerified:
     step: Step
     length: int                                     # tree tokens per row, the root included
-    states: list[internals.TreeStepInputs]          # per linear-attention layer, its step inputs
+    states: list[tree_internals.TreeStepInputs]          # per linear-attention layer, its step inputs
     rows: Rows                                      # what the trees continued
 

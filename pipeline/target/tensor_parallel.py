@@ -23,7 +23,7 @@ def attention_plan(num_key_value_heads: int, tp: int) -> tuple[dict[str, str], s
 
 
 def tp_load_kwargs(layout: Layout, num_key_value_heads: int) -> tuple[dict, str]:
-    from pipeline.transformers_internals import distributed_config
+    from pipeline.target.internals import distributed_config
 
     overrides, description = attention_plan(num_key_value_heads, layout.tp)
     config = distributed_config(layout.tp, layout.dp, overrides or "auto")

@@ -1,0 +1,49 @@
+"""Who writes a shard: a location without a manifest must be empty (never written into
+otherwise), and a shard is claimed for writing unless it is committed or, in a directory, locked
+by another process (the lock only saves work; the commit record keeps the cache correct)."""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.cache.commit import shard_committed
+from pipeline.cache.files import FileLock
+from pipeline.cache.location import Location
+from pipeline.cache.schema import MANIFEST, shard_lock_name, shard_name
+from pipeline.distributed import Layout
+from pipeline.errors import PipelineError
+
+
+def refuse_foreign_content(location: Location) -> None:
+    """A location without a manifest must be empty (or hold only this tool's lock files): a
+    prefix or directory that holds something else is never written into."""
+    if location.read(MANIFEST) is not None:
+        return
+    foreign = [k for k in location.some_keys(20) if not re.fullmatch(r"\.shard-\d{5}\.lock|\.manifest\.json\.tmp-\d+", k)]
+    if foreign:
+        raise PipelineError(f"{location.where()}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''} "
+                            "but no cache manifest.json: not a cache; choose an empty --cache location")
+
+
+def claim_shard(location: Location, shard: int, layout: Layout, locks: bool) -> tuple[str, FileLock | None]:
+    """('write', held lock or None) | ('committed', None) | ('locked', None), decided by the group's
+    writer. The lock only saves a second process the work (a directory where flock works): what
+    keeps the cache correct is the commit record, checked before and after taking it."""
+    state, lock = "write", None
+    if layout.is_writer:
+        name = shard_name(shard)
+        if shard_committed(location, name):
+            state = "committed"
+        elif locks:
+            lock = FileLock(location.root / shard_lock_name(shard))
+            try:
+                held = lock.acquire(blocking=False)
+            except OSError:  # no working flock on this mount (ENOLCK, EOPNOTSUPP): go on without
+                held, lock = True, None
+            if not held:
+                state, lock = "locked", None
+            elif shard_committed(location, name):
+                if lock is not None:
+                    lock.release()  # another process finished it between our two looks
+                state, lock = "committed", None
+    return layout.broadcast_from_writer(state), lock

@@ -1,0 +1,101 @@
+"""The drafter's geometry and its mask token, decided from the training config and the target
+(DESIGN 2: the mask id is a reserved token or a row past the tokenizer's vocabulary, and never
+occurs in the cache's input_ids)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from manifests import load_preset, preset_names
+from pipeline.cache.reader import CacheReader
+from pipeline.config import TrainConfig
+from pipeline.drafter.model import DrafterConfig
+from pipeline.errors import PipelineError
+from pipeline.target import TargetFacts, load_tokenizer, reserved_token_ids
+
+
+def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps: list[int]) -> DrafterConfig:
+    text = json.loads((target_dir / "config.json").read_text())
+    text = text.get("text_config") or text
+    heads = cfg.num_attention_heads or facts.num_attention_heads
+    try:
+        return DrafterConfig(
+            hidden_size=facts.hidden_size, intermediate_size=cfg.intermediate_size or int(text["intermediate_size"]),
+            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=cfg.num_key_value_heads or (facts.num_key_value_heads if not cfg.num_attention_heads else heads),
+            head_dim=cfg.head_dim or int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
+            vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
+            mask_token_id=mask_token_id(cfg.mask_token, target_dir, facts), block_size=cfg.block_size,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+                                               or 10000.0),
+            max_position_embeddings=cfg.max_position_embeddings or int(text.get("max_position_embeddings", 32768)),
+            layer_types=cfg.layer_types, sliding_window=cfg.sliding_window)
+    except ValueError as e:
+        raise PipelineError(f"drafter config: {e}") from None
+
+
+def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -> int:
+    """The mask id (DESIGN 2): an integer id, or a token string looked up in the target's
+    tokenizer; it must have an embedding row and be a reserved token (special or added) or a row
+    past the tokenizer's vocabulary, never an ordinary token that text produces."""
+    tokenizer = load_tokenizer(target_dir)
+    if isinstance(mask_token, str):
+        if mask_token not in tokenizer.get_vocab():
+            raise PipelineError(f"{target_dir}: the tokenizer has no mask token {mask_token!r}: pass --mask-token ID|TOKEN "
+                                f"(or mask_token in the [train] table of --config){suggest_mask_token(tokenizer, facts)}")
+        mask_id = int(tokenizer.convert_tokens_to_ids(mask_token))
+    else:
+        mask_id = int(mask_token)
+    if not 0 <= mask_id < facts.vocab_size:
+        raise PipelineError(f"{target_dir}: mask token {mask_token!r} id {mask_id} has no embedding row "
+                            f"(vocab_size {facts.vocab_size})")
+    if mask_id < len(tokenizer) and mask_id not in reserved_token_ids(tokenizer):
+        raise PipelineError(f"mask token id {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}) is an ordinary token "
+                            f"of the tokenizer: use a reserved special token or an unused row past its {len(tokenizer)} tokens")
+    return mask_id
+
+
+def suggest_mask_token(tokenizer, facts: TargetFacts) -> str:
+    """A hint for the missing-mask-token error: a preset's mask id where this tokenizer reserves it
+    (Qwen3.6: 248070, the reference drafters'), else the first reserved special token that the chat
+    template never writes, else the first embedding row past the tokenizer's vocabulary."""
+    used = {tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}
+    template = tokenizer.chat_template or ""
+    unused = sorted(i for i in reserved_token_ids(tokenizer)
+                    if i not in used and tokenizer.convert_ids_to_tokens(i) not in template and i < facts.vocab_size)
+    for name in preset_names():
+        target = load_preset(name).get("target", {})
+        if target.get("vocab_size") == facts.vocab_size and target.get("mask_token") in unused:
+            mask_id = target["mask_token"]
+            return (f"; e.g. --mask-token {mask_id} ({tokenizer.convert_ids_to_tokens(mask_id)!r}, a reserved token the chat "
+                    f"template never writes: the reference drafters' mask id, preset {name})")
+    if unused:
+        return (f"; e.g. --mask-token {unused[0]} ({tokenizer.convert_ids_to_tokens(unused[0])!r}, a reserved token the "
+                "chat template never writes)")
+    if len(tokenizer) < facts.vocab_size:
+        return f"; e.g. --mask-token {len(tokenizer)} (an embedding row past the tokenizer's {len(tokenizer)} tokens)"
+    return ""
+
+
+def check_mask_absent(reader: CacheReader, mask_id: int) -> None:
+    """Refuse a mask id that occurs in the cache's input_ids (the drafter could not tell a masked
+    slot from that token). Extract records the reserved ids each shard contains; a shard without
+    that record (written before it existed) has its input_ids read."""
+    found = []
+    for name in reader.shards:
+        seen = (reader.manifest.shards[name].counts or {}).get("special_ids")
+        if seen is not None:
+            hit = mask_id in seen
+        else:
+            shard = reader.shard(name)
+            step = 1 << 24
+            hit = any(bool((shard.read_range("input_ids", a, min(a + step, shard.num_tokens)) == mask_id).any())
+                      for a in range(0, shard.num_tokens, step))
+        if hit:
+            found.append(name)
+    if found:
+        raise PipelineError(f"mask token id {mask_id} occurs in the cache's input_ids ({', '.join(found[:4])}"
+                            f"{' and more' if len(found) > 4 else ''}): the drafter could not tell a masked slot from "
+                            "that token; choose another mask_token")

@@ -1,0 +1,86 @@
+"""The training loop: global batches in the stream's epoch order, one optimizer step each, a log
+line every `log_every` steps (file, trackers, live verdicts), a checkpoint every
+`checkpoint_every` steps and at the end. Resume is exact: it starts from the (step, epoch,
+position) a checkpoint recorded (pipeline/drafter/stream.py makes the order a pure function of
+the shards, seed and epoch)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.cache.reader import CacheReader
+from pipeline.config import TrainConfig
+from pipeline.drafter.checkpoint import Position, save_on_all_ranks
+from pipeline.drafter.plan import Plan
+from pipeline.drafter.step import StepRunner
+from pipeline.drafter.stream import SampleStream, StreamState
+from pipeline.drafter.train_log import Interval, append_json, log_record
+from pipeline.report.live import LiveVerdicts, Verdict
+from pipeline.tracking import Trackers
+
+
+@dataclass
+class LoopOutput:
+    """What the run's rank 0 wants to know about it: the last log line and the verdicts fired."""
+    last: dict = field(default_factory=dict)
+    fired: list[Verdict] = field(default_factory=list)
+
+
+def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepRunner, at: Position, *, out: Path,
+               identity: dict, trackers: Trackers, verdicts: LiveVerdicts, log_file, view=None, warn=print) -> LoopOutput:
+    """Run steps until plan.total_steps; `at` is advanced in place. `log_file` is None on ranks
+    other than 0 (they neither log nor report)."""
+    result = LoopOutput()
+    t_start, interval = time.perf_counter(), Interval()
+    while at.step < plan.total_steps:
+        stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=at.epoch, position=at.position),
+                              rank=trainer.rank, world_size=trainer.world, prefetch=cfg.prefetch,
+                              fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if cfg.loss == "kl" else ()),
+                              transform=trainer.preparer(at.epoch), workers=cfg.loader_workers,
+                              mix_shards=cfg.mix_shards)
+        items = stream.epoch()
+        try:
+            while at.step < plan.total_steps and at.position + cfg.batch_sequences <= plan.samples_per_epoch:
+                wait0 = time.perf_counter()
+                batch = [next(items)[1] for _ in range(plan.per_rank)]
+                interval.data_wait += time.perf_counter() - wait0
+                logging = (at.step + 1) % cfg.log_every == 0 or at.step == 0 or at.step + 1 == plan.total_steps
+                stepped = trainer.step(batch, at.step, with_metrics=logging)
+                at.step, at.position = at.step + 1, at.position + cfg.batch_sequences
+                interval.tokens += stepped["tokens"]
+                if logging:
+                    result.last = log_record(stepped, trainer, interval, step=at.step, epoch=at.epoch,
+                                             position=at.position, plan=plan,
+                                             elapsed=at.elapsed0 + time.perf_counter() - t_start)
+                    if log_file:
+                        _report(result, log_file, trackers, verdicts, out, warn)
+                    interval = Interval()
+                if view:
+                    view.update(at.step, result.last if logging else None)
+                if at.step % cfg.checkpoint_every == 0 or at.step == plan.total_steps:
+                    at.tokens0 += trainer.take_tokens()
+                    trackers.flush()  # a resume from this checkpoint finds every line before it in the trackers
+                    save_on_all_ranks(out, cfg, trainer.drafter, trainer.optimizer, step=at.step, epoch=at.epoch,
+                                      position=at.position, identity=identity,
+                                      elapsed=at.elapsed0 + time.perf_counter() - t_start, tokens=at.tokens0,
+                                      rank=trainer.rank, world=trainer.world, device=trainer.device)
+        finally:
+            items.close()
+        if at.position + cfg.batch_sequences > plan.samples_per_epoch:
+            at.epoch, at.position = at.epoch + 1, 0
+    return result
+
+
+def _report(result: LoopOutput, log_file, trackers: Trackers, verdicts: LiveVerdicts, out: Path, warn) -> None:
+    """One log line: to the file, the trackers, and through the live verdicts."""
+    log_file.write(json.dumps(result.last) + "\n")
+    log_file.flush()
+    trackers.log(result.last)
+    for verdict in verdicts.observe(result.last):
+        result.fired.append(verdict)
+        warn(verdict.line())
+        trackers.event(verdict.step, verdict.cause, verdict.message, verdict.figure)
+        append_json(out / "verdicts.jsonl", asdict(verdict))

@@ -1,0 +1,52 @@
+"""A training run as eval finds it: the drafter export (RUN/ or RUN/drafter/) and what RUN/run.json
+recorded about the target it was trained against."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.provenance import weight_digests
+from pipeline.target import RecordedTarget, read_target_facts
+
+
+def target_mismatch(target_dir: Path, run: Path) -> str | None:
+    """How the eval target differs from the one the drafter's training run recorded (its config.json
+    digest, and the weights the cache was extracted with), or None when it is the same or the run
+    recorded neither. Large checkpoints are compared by their safetensors headers and sizes
+    (pipeline.provenance.weight_digests), which tell other shapes apart but not other values."""
+    try:
+        record = json.loads(run.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    differs = []
+    if record.get("target_config_sha256") and record["target_config_sha256"] != read_target_facts(target_dir).config_sha256:
+        differs.append("config.json")
+    recorded = record.get("target_weights") or {}
+    if recorded.get("files"):
+        found = weight_digests(target_dir)
+        if found["method"] != recorded.get("method") or found["files"] != recorded["files"]:
+            names = sorted(n for n in set(found["files"]) | set(recorded["files"])
+                           if found["files"].get(n) != recorded["files"].get(n)) or ["weight files"]
+            differs.append(f"weights ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''})")
+    return " and ".join(differs) or None
+
+
+def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
+    """(drafter export dir, the target its training run recorded): accepts RUN/ or RUN/drafter/."""
+    path = Path(path)
+    if (path / "drafter" / "config.json").is_file():
+        path = path / "drafter"
+    if not (path / "config.json").is_file():
+        raise PipelineError(f"{path}: not a drafter export (no config.json); pass the run directory or its drafter/")
+    run = path.parent / "run.json"
+    recorded = None
+    if run.is_file():
+        try:
+            record = json.loads(run.read_text())
+            recorded = RecordedTarget(path=record["target"], config_sha256=record.get("target_config_sha256"),
+                                      source=str(run))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
+            raise PipelineError(f"{run}: not a training run record (no 'target')") from None
+    return path, recorded

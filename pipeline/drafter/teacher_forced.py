@@ -1,0 +1,61 @@
+"""A trained drafter's training metrics on a cache, at every valid anchor (no sampling), and the
+tau that replaying decoding over those teacher-forced streaks gives (`pipeline eval --cache`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.cache.reader import CacheReader
+from pipeline.drafter.batch import anchor_generator, forward_logits, pack, prepare
+from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
+from pipeline.errors import PipelineError
+
+
+@torch.no_grad()
+def teacher_forced(drafter, cache_dir: Path, *, im_start: int, last_turn_only: bool = True) -> dict:
+    """The training metrics of `drafter` on a cache, every valid anchor (no sampling), optionally
+    only anchors in each sample's last assistant turn (the turn `run_eval` generates)."""
+    c, sums, walk_tokens, walk_steps = drafter.config, None, 0, 0
+    reader = CacheReader(cache_dir)
+    for name in reader.shards:
+        shard = reader.shard(name, chunk_cache_bytes=64 * 2**20)
+        for sid in map(int, shard.sample_ids):
+            sample = {**shard.sample(sid), "sample_id": sid}
+            seq = prepare(sample, block_size=c.block_size, num_anchors=2**31, max_length=2**31,
+                          mask_token_id=c.mask_token_id, gamma=4.0, generator=anchor_generator(0, 0, sid))
+            if seq is None:
+                continue
+            batch = pack([seq], c.block_size)
+            logits = forward_logits(drafter, batch)
+            keep = torch.ones(len(seq.anchors), dtype=torch.bool)
+            if last_turn_only:
+                starts = np.nonzero(sample["input_ids"] == im_start)[0]
+                keep = seq.anchors > int(starts[-1]) if len(starts) else keep
+            if keep.any():
+                sums = add_sums(sums, metric_sums(logits[keep], batch.labels[keep], batch.weights[keep]))
+                walk = _walk(seq.anchors[keep].tolist(), logits[keep], batch.labels[keep], batch.weights[keep])
+                walk_tokens, walk_steps = walk_tokens + walk[0], walk_steps + walk[1]
+    if sums is None:
+        raise PipelineError(f"{cache_dir}: no sample with a valid anchor")
+    metrics = finish_metrics(sums)
+    return {**metrics, "tau_estimate": metrics["avg_streak"] + 1, "tau_walk": walk_tokens / max(walk_steps, 1),
+            "anchors": int(sums["blocks"]), "last_turn_only": last_turn_only}
+
+
+def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:
+    """Replay decoding on teacher-forced streaks: start at the first anchor, accept its streak plus
+    the bonus token, continue at the next position, stop where no block can start (the end of the
+    response). Returns (tokens, steps). Uniform anchors weight easy stretches by their length;
+    decoding crosses them in few steps, so this walk, not avg_streak + 1, is what tau should equal."""
+    ok = (logits.argmax(-1) == labels) & (weights > 0)
+    streak = dict(zip(anchors, ok[:, 1:].int().cumprod(dim=1).sum(dim=1).tolist()))
+    tokens = steps = 0
+    a = anchors[0]
+    while a in streak:
+        tokens += streak[a] + 1
+        steps += 1
+        a += streak[a] + 1
+    return tokens, steps

@@ -1,0 +1,30 @@
+"""One decoding variant's results over all prompts, summarised against greedy decoding: tau (the
+mean of per-response means, as the DFlash paper reports it, and pooled over all verify steps),
+the acceptance histogram, target passes and wall time, and whether every output is greedy's."""
+
+from __future__ import annotations
+
+import statistics
+
+from pipeline.speculative.decode import Decoded
+
+
+def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, greedy_seconds: float, block: int) -> dict:
+    per_response = [statistics.mean(a + 1 for a in r.accepted) for r in runs if r.accepted]
+    steps = [a + 1 for r in runs for a in r.accepted]
+    tokens = sum(len(r.tokens) for r in runs)
+    histogram = {str(k): 0 for k in range(1, block + 1)}
+    for s in steps:
+        histogram[str(s)] = histogram.get(str(s), 0) + 1
+    mismatches = [i for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens]
+    return {
+        "tau_mean_of_means": statistics.mean(per_response) if per_response else 0.0,
+        "tau_pooled": statistics.mean(steps) if steps else 0.0,
+        "accept_histogram": histogram,
+        "verify_passes_per_token": sum(r.verify_passes for r in runs) / max(tokens, 1),
+        "target_tokens_per_verify": sum(r.verify_tokens for r in runs) / max(sum(r.verify_passes for r in runs), 1),
+        "target_passes_per_token": sum(r.target_passes for r in runs) / max(tokens, 1),
+        "tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        "speedup_vs_greedy": greedy_seconds / max(seconds, 1e-9),
+        "identical_to_greedy": len(runs) - len(mismatches), "mismatched_prompts": mismatches[:20],
+    }

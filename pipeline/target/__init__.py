@@ -1,0 +1,31 @@
+"""The target model: everything about loading and running it, in one package.
+
+- facts.py: what a target directory is (config facts, digests, what it claims about a cache);
+- resolve.py: which target directory a command uses;
+- loading.py: its tokenizer, the whole model (optionally tensor-parallel), or only the frozen
+  embedding and lm_head;
+- taps.py: which layers are tapped and what a tap index means;
+- capture.py: one forward that returns the tapped hidden states and the target's predictions;
+- live.py: the target beside a drafter during speculative decoding (its caches, verification);
+- tensor_parallel.py: the tensor-parallel plan;
+- internals.py, tree_internals.py: every use of transformers' internals.
+
+The names most commands need are importable from the package itself.
+"""
+
+from pipeline.target.facts import (
+    TOKENIZER_FILES,
+    TargetFacts,
+    chat_template_sha256,
+    config_sha256,
+    end_of_turn_ids,
+    identity_claims,
+    read_target_facts,
+    reserved_token_ids,
+)
+from pipeline.target.loading import frozen_target_modules, load_model, load_target_model, load_tokenizer
+from pipeline.target.resolve import RecordedTarget, resolve_target
+
+__all__ = ["TOKENIZER_FILES", "RecordedTarget", "TargetFacts", "chat_template_sha256", "config_sha256", "end_of_turn_ids",
+           "frozen_target_modules", "identity_claims", "load_model", "load_target_model", "load_tokenizer",
+           "read_target_facts", "reserved_token_ids", "resolve_target"]
