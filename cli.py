@@ -11,9 +11,23 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.cache.files import STORAGE_ERRNOS, describe_os_error
+from pipeline.config import ExtractConfig, load_config
+from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
 from pipeline.errors import PipelineError
+from pipeline.threads import apply_threads
+from pipeline.ui import ProgressBar, TrainView, error, print_sample, warning
+from pipeline.ui.summaries import (show_demo, show_demo_step, show_eval, show_extract, show_generate, show_report,
+                                   show_report_redraw, show_target_info, show_train, show_verify)
+from stages.demo import run_demo
+from stages.report import follow_report, run_report
+
+# The other stages import torch at import time (a second or more), so each command imports its own
+# stage when it runs: `pipeline --help` and a mistyped option answer at once. Nothing imported above
+# pulls in torch (stages.demo and stages.report load the heavy parts inside their functions).
 
 # Nothing in this tool downloads at run time: targets, tokenizers and data are local paths.
+# Set before anything imports huggingface_hub (through transformers), which reads it once, at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 app = typer.Typer(
@@ -40,22 +54,18 @@ def _user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            from pipeline.threads import apply_threads
             apply_threads(_state["threads"])
             return fn(*args, **kwargs)
         except PipelineError as e:
             if _state["debug"]:
                 raise
-            from pipeline.ui import error
             error(str(e))
             raise typer.Exit(1) from None
         except OSError as e:
             # A full disk or a quota can strike any write (a log line, a lock file): one line
             # naming the file, not a traceback. Other OS errors keep theirs: they may be bugs.
-            from pipeline.cache.files import STORAGE_ERRNOS, describe_os_error
             if _state["debug"] or e.errno not in STORAGE_ERRNOS:
                 raise
-            from pipeline.ui import error
             error(f"{e.filename or 'a write'}: {describe_os_error(e)}")
             raise typer.Exit(1) from None
     return wrapper
@@ -88,8 +98,7 @@ def extract(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the target once and write the sharded, checksummed hidden-state cache."""
-    from pipeline.config import ExtractConfig, load_config
-    from stages.extract import run_extract
+    from stages.extract import run_extract  # heavy: imports torch; keeps `pipeline --help` fast
 
     if config is None and Path("extract.toml").is_file():
         config = Path("extract.toml")
@@ -104,7 +113,7 @@ def extract(
     cfg = load_config(ExtractConfig, config, overrides, section="extract")
     summary = run_extract(cfg, shards, progress=not json_out)
     if summary["rank"] == 0:
-        _show_extract(summary, json_out)
+        show_extract(summary, json_out)
 
 
 def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
@@ -114,17 +123,6 @@ def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise PipelineError(f"{option}: {text!r} is not a comma-separated list of integers") from None
-
-
-def _show_extract(summary: dict, json_out: bool) -> None:
-    from pipeline.ui import console, key_value_table, print_json
-
-    if json_out:
-        print_json(summary)
-        return
-    def fmt(v):
-        return f"{v:,.2f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else v)
-    console.print(key_value_table("extract", [(k, fmt(v)) for k, v in summary.items() if k != "layout"]))
 
 
 @app.command()
@@ -161,10 +159,7 @@ def train(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
-    import os
-
-    from pipeline.ui import TrainView, warning
-    from stages.train import resolve_config, run_train
+    from stages.train import resolve_config, run_train  # heavy: imports torch; keeps `pipeline --help` fast
 
     if config is None and Path("train.toml").is_file():
         config = Path("train.toml")
@@ -183,19 +178,7 @@ def train(
                         warn=warning)
     if not rank0:
         return
-    _show_train(summary, json_out)
-
-
-def _show_train(summary: dict, json_out: bool) -> None:
-    from pipeline.ui import console, key_value_table, print_json
-
-    if json_out:
-        print_json(summary)
-        return
-    last = summary.pop("last") or {}
-    rows = [(k, v) for k, v in summary.items()]
-    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8") if k in last]
-    console.print(key_value_table("train", rows))
+    show_train(summary, json_out)
 
 
 @app.command()
@@ -221,8 +204,7 @@ def generate(
     json_out: JsonOpt = False,
 ) -> None:
     """Regenerate the conversations' assistant turns with the target itself (resumable, sharded)."""
-    from pipeline.ui import ProgressBar, warning
-    from stages.generate import run_generate
+    from stages.generate import run_generate  # heavy: imports torch; keeps `pipeline --help` fast
 
     rank = int(os.environ.get("RANK", 0))
     with ProgressBar("generate", "rows", total=0, enabled=not json_out and rank == 0) as bar:
@@ -231,25 +213,7 @@ def generate(
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               batch_size=batch_size, device=device, dtype=dtype, on_error=on_error,
                               progress=bar.advance, on_total=bar.set_total, warn=warning)
-    _show_generate(result, json_out)
-
-
-def _show_generate(result: dict, json_out: bool) -> None:
-    from pipeline.ui import console, key_value_table, print_json
-
-    if json_out:
-        print_json(result)
-        return
-    console.print(key_value_table("generate", [
-        ("output", result["out"] if result["assembled"] else f"not yet: shards missing {result['shards_missing']}"),
-        ("rows read / written", f"{result['rows']} / {result['rows_written']}"),
-        ("rows skipped (--on-error skip)", result["rows_skipped"]),
-        ("dropped (turn did not end)", result["dropped_unfinished"]),
-        ("turns kept verbatim (unparsed)", result["kept_verbatim"]),
-        ("shards written / already done", f"{result['shards_written']} / {result['shards_already_done']}"),
-        ("rows/s, tokens/s", f"{result['rows_per_s']:.2f}, {result['tokens_per_s']:.1f}"),
-        ("device", result["device"]),
-    ]))
+    show_generate(result, json_out)
 
 
 @app.command("eval")
@@ -273,8 +237,7 @@ def eval_(
 ) -> None:
     """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
     blocks and DDTree trees, checked token for token against plain greedy decoding."""
-    from pipeline.ui import ProgressBar, warning
-    from stages.eval import run_eval
+    from stages.eval import run_eval  # heavy: imports torch; keeps `pipeline --help` fast
 
     budgets = _int_list(tree_budget, "--tree-budget") or []
     count = limit or sum(1 for line in open(prompts, encoding="utf-8") if line.strip()) if prompts and Path(prompts).is_file() else (limit or 200)
@@ -283,42 +246,9 @@ def eval_(
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
                           device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning,
                           report_to=report_to)
-    _show_eval(result, json_out)
+    show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)
-
-
-def _show_eval(result: dict, json_out: bool) -> None:
-    from rich.table import Table
-
-    from pipeline.ui import console, error, print_json
-
-    if json_out:
-        print_json(result)
-    else:
-        g = result["greedy"]
-        table = Table(title=f"eval: {result['prompts']} prompts, block {result['block_size']}, "
-                            f"greedy {g['tokens_per_s']:,.0f} tok/s", title_justify="left")
-        for col in ("method", "tau (mean of means)", "tau (pooled)", "verify passes/token", "target passes/token",
-                    "tok/s", "speed vs greedy", "identical to greedy"):
-            table.add_column(col)
-        rows = [("block", result["block"])] + [(f"ddtree {b}", r) for b, r in result["tree"].items()]
-        for name, r in rows:
-            table.add_row(name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
-                          f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_greedy']:.2f}x",
-                          f"{r['identical_to_greedy']}/{result['prompts']}")
-        console.print(table)
-        if result["tree"]:
-            console.print(f"DDTree verified as {result['tree_verify']} ({result['tree_verify_reason']})", highlight=False)
-        hist = result["block"]["accept_histogram"]
-        console.print("block acceptance lengths: " + "  ".join(f"{k}:{v}" for k, v in hist.items()), highlight=False)
-        if "teacher_forced" in result:
-            tf = result["teacher_forced"]
-            console.print(f"teacher-forced on the cache (last assistant turns, {tf['anchors']:,} anchors): "
-                          f"avg_streak + 1 = {tf['tau_estimate']:.2f}, decoding replayed on its streaks = "
-                          f"{tf['tau_walk']:.2f}, accuracy {tf['accuracy']:.3f}", highlight=False)
-    if not result["lossless"]:
-        error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
 
 
 @app.command()
@@ -337,90 +267,14 @@ def report(
 ) -> None:
     """Convergence diagnostics: rolling means with confidence intervals, plateau/regression
     verdicts, cliffs, grad-norm anomalies, extrapolation, run-vs-run comparison, plots."""
-    import json as json_module
-
-    from stages.report import follow_report, run_report
-
     options = {"window_size": window, "every": every, "epochs": epochs, "steps_per_epoch": steps_per_epoch,
                "reference_tau": reference_tau, "plots": out}
     if follow:
         if interval <= 0:
             raise PipelineError(f"--interval must be > 0, got {interval}")
-
-        def show(result):
-            if json_out:
-                print(json_module.dumps(result, default=str), flush=True)
-            else:
-                _show_report(result)
-
-        follow_report(logs, interval=interval, show=show, **options)
+        follow_report(logs, interval=interval, show=lambda result: show_report_redraw(result, json_out), **options)
         return
-    result = run_report(logs, **options)
-    if json_out:
-        from pipeline.ui import print_json
-        print_json(result)
-    else:
-        _show_report(result)
-
-
-def _fmt_window(w) -> str:
-    if not isinstance(w, dict):
-        return "missing"
-    ci = w.get("ci95")
-    return f"{w['mean']:.4g} ± {ci:.2g}" if ci is not None else f"{w['mean']:.4g}"
-
-
-def _show_report(result: dict) -> None:
-    from rich.table import Table
-
-    from pipeline.ui import console
-
-    colours = {"improving": "green", "plateau": "yellow", "regressing": "bold red", "missing": "red"}
-    for run in result["runs"]:
-        table = Table(title=f"{run['name']}: {run['entries']} entries to step {run['last_step']:g}, window "
-                            f"{run['window']} entries", title_justify="left")
-        for col in ("metric", "last window (95% CI)", "change vs previous window", "z", "verdict", "extrapolated at end"):
-            table.add_column(col)
-        for metric, v in run["verdicts"].items():
-            last = next((c[metric] for c in reversed(run["checkpoints"]) if isinstance(c.get(metric), dict)), None)
-            verdict = v.get("verdict", "")
-            ext = run["extrapolated"].get(metric)
-            table.add_row(metric, _fmt_window(last), f"{v['change']:+.3g}" if "change" in v else "",
-                          f"{v['z']:+.1f}" if "z" in v else "", f"[{colours.get(verdict, 'white')}]{verdict}[/]",
-                          f"{ext:.4g}" if isinstance(ext, float) else "")
-        console.print(table)
-        checkpoints = Table(title=f"{run['name']}: rolling means at checkpoints", title_justify="left")
-        for col in ("at", "loss", "accuracy", "avg_streak", "ddtree_streak8"):
-            checkpoints.add_column(col)
-        for c in run["checkpoints"]:
-            checkpoints.add_row(c["at"], *(_fmt_window(c[m]) for m in ("loss", "accuracy", "avg_streak", "ddtree_streak8")))
-        console.print(checkpoints)
-        for problem in run["cliffs"]:
-            console.print(f"[bold red]cliff[/] {problem['metric']} at step {problem['step']:g}: "
-                          f"{problem['before']:.4g} -> {problem['after']:.4g}")
-        for problem in run["grad_norm_anomalies"]:
-            console.print(f"[bold red]grad-norm anomaly[/] at step {problem['step']:g}: {problem['value']:.4g}")
-        if run["missing"]:
-            console.print("[red]missing keys[/] (entries without them; never counted as zero): "
-                          + ", ".join(f"{k} in {n}" for k, n in run["missing"].items()))
-        if "reference" in run and run["reference"]["extrapolated_tau"] is not None:
-            ref = run["reference"]
-            console.print(f"extrapolated tau {ref['extrapolated_tau']:.2f} vs reference {ref['reference_tau']:.2f} "
-                          f"({ref['gap']:+.2f}); {ref['note']}")
-    if "comparison" in result:
-        names = [r["name"] for r in result["runs"]]
-        table = Table(title="runs at matching steps (rolling means)", title_justify="left")
-        for col in ("step", "metric", *names, "leader", "margin", "beyond noise"):
-            table.add_column(col)
-        for row in result["comparison"]:
-            for metric in ("loss", "accuracy", "avg_streak"):
-                e = row[metric]
-                means = [f"{e['means'][n]:.4g}" if isinstance(e["means"][n], float) else "missing" for n in names]
-                table.add_row(f"{row['step']:g}", metric, *means, e.get("leader", ""),
-                              f"{e['margin']:.3g}" if "margin" in e else "", "yes" if e.get("significant") else "no")
-        console.print(table)
-    for path in result.get("plots", []):
-        console.print(f"plot: {path}", highlight=False)
+    show_report(run_report(logs, **options), json_out)
 
 
 @app.command("verify-cache")
@@ -439,9 +293,7 @@ def verify_cache(
 ) -> None:
     """Prove a cache is complete, intact, aligned and correctly masked. Exit 0: all checks pass;
     1: a check failed; 2: usage error."""
-    from pipeline.threads import apply_threads
-    from pipeline.ui import error, print_json, print_sample
-    from stages.verify import run_verify, show_sample
+    from stages.verify import run_verify, show_sample  # heavy: imports torch; keeps `pipeline --help` fast
 
     try:
         apply_threads(_state["threads"])
@@ -458,33 +310,8 @@ def verify_cache(
             raise
         error(str(e))
         raise typer.Exit(2) from None
-    if json_out:
-        print_json(result)
-    else:
-        _show_checks(result)
+    show_verify(result, json_out)
     raise typer.Exit(0 if result["passed"] else 1)
-
-
-def _show_checks(result: dict) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from pipeline.ui import console
-
-    table = Table(title=f"verify-cache {escape(result['cache'])}", title_justify="left")
-    table.add_column("check", style="bold")
-    table.add_column("status")
-    table.add_column("evidence")
-    colours = {"pass": "green", "fail": "bold red", "skipped": "yellow", "inconclusive": "yellow"}
-    for check in result["checks"]:
-        table.add_row(check["check"], f"[{colours[check['status']]}]{check['status']}[/]", escape(check["summary"]))
-        for problem in (check["evidence"].get("problems") or check["evidence"].get("failures")
-                        or check["evidence"].get("mismatched") or [])[:5]:
-            table.add_row("", "", f"[red]{escape(problem)}[/]")
-    console.print(table)
-    unsure = [c["check"] for c in result["checks"] if c["status"] == "inconclusive"]
-    note = f" [yellow](inconclusive: {', '.join(unsure)})[/]" if unsure else ""
-    console.print(("[bold green]all checks passed[/]" if result["passed"] else "[bold red]verification FAILED[/]") + note)
 
 
 @app.command()
@@ -498,37 +325,9 @@ def demo(
 ) -> None:
     """The whole pipeline on the embedded tiny target: extract, verify, train, speculative-decoding
     eval, report. About 5 minutes on 2 CPU cores; re-running resumes."""
-    from pipeline.ui import err_console
-    from stages.demo import run_demo
-
     summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to, block_size=block_size,
-                       say=lambda m: err_console.print(f"[bold]{m}[/]", highlight=False, markup=True))
-    if json_out:
-        from pipeline.ui import print_json
-        print_json(summary)
-        return
-    _show_demo(summary)
-
-
-def _show_demo(s: dict) -> None:
-    from pipeline.ui import console, key_value_table
-
-    t, e, c = s["train"], s["eval"], s["cache"]
-    rows = [
-        ("cache", f"{c['path']}: {c['tokens']:,} tokens in {c['shards']} shards, {c['bytes']:,} bytes, "
-                  f"{c['bytes_per_token']:,.0f} bytes/token"),
-        ("verify-cache", "all checks passed" if s["verify"]["passed"] else f"FAILED: {', '.join(s['verify']['failed_checks'])}"),
-        ("training", f"{t['steps']} steps, block {t['block_size']}: loss {t['loss']:.3f}, accuracy {t['accuracy']:.3f}, "
-                     f"avg_streak {t['avg_streak']:.2f} (teacher-forced)"),
-        ("eval", f"{e['prompts']} held-out prompts, outputs identical to greedy: {'yes' if e['lossless'] else 'NO'}"),
-        ("tau (block)", f"{e['block_tau_mean_of_means']:.2f} mean of per-response means, {e['block_tau_pooled']:.2f} pooled"),
-        *[(f"tau (DDTree {k[6:].split('_')[0]})", f"{v:.2f} pooled") for k, v in e.items() if k.startswith("ddtree")],
-        ("drafter", t["drafter"]),
-        ("report", ", ".join(s["report"]["plots"])),
-        ("wall time", f"{s['timings']['total_s']:.0f} s (" + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in s["timings"].items()
-                                                              if k != "total_s") + ")"),
-    ]
-    console.print(key_value_table("demo", rows))
+                       say=show_demo_step)
+    show_demo(summary, json_out)
 
 
 @app.command("target-info")
@@ -539,28 +338,12 @@ def target_info(
     json_out: JsonOpt = False,
 ) -> None:
     """Summarise a target model directory: class, layers, taps, tokenizer, chat template."""
-    from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
-    from stages.summary import target_summary
+    from stages.summary import target_summary  # heavy: imports torch; keeps `pipeline --help` fast
 
     build = None
     if path is None:
         path, data, build = TARGET_DIR, data or HELDOUT_DATA, BUILD_REPORT
-    _show_summary(target_summary(path, heldout=data, build_report=build), json_out)
-
-
-def _show_summary(summary: dict, json_out: bool) -> None:
-    from pipeline.ui import console, key_value_table, print_json
-
-    if json_out:
-        print_json(summary)
-        return
-    def fmt(value):
-        return f"{value:.4g}" if isinstance(value, float) else value
-
-    console.print(key_value_table("target", [(k, fmt(v)) for k, v in summary.items() if not isinstance(v, dict)]))
-    for section, values in summary.items():
-        if isinstance(values, dict):
-            console.print(key_value_table(section, [(k, fmt(v)) for k, v in values.items()]))
+    show_target_info(target_summary(path, heldout=data, build_report=build), json_out)
 
 
 if __name__ == "__main__":

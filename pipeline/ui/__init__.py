@@ -1,6 +1,8 @@
 """One output layer: humans get rich tables, machines get one JSON document (`--json`).
 
 Progress bars and colour go to stderr and are off in JSON mode, so stdout stays parseable.
+This module holds the shared pieces (consoles, JSON, tables, messages, progress, the decoded
+sample); what each command prints at its end lives in `pipeline.ui.summaries`.
 """
 
 from __future__ import annotations

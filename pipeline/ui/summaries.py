@@ -1,0 +1,236 @@
+"""What each command prints when it finishes: a rich table for people, or with `--json` the
+stage's result as one JSON document on stdout (the stage's dict, untouched, so scripts see every
+field the tables leave out).
+"""
+
+from __future__ import annotations
+
+import json
+
+from rich.markup import escape
+from rich.table import Table
+
+from pipeline.ui import console, err_console, error, key_value_table, print_json
+
+# Verdict and check colours; anything unknown prints white rather than failing the render.
+VERDICT_COLOURS = {"improving": "green", "plateau": "yellow", "regressing": "bold red", "missing": "red"}
+CHECK_COLOURS = {"pass": "green", "fail": "bold red", "skipped": "yellow", "inconclusive": "yellow"}
+
+
+def show_extract(summary: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(summary)
+        return
+
+    def with_thousands(value):
+        return f"{value:,.2f}" if isinstance(value, float) else (f"{value:,}" if isinstance(value, int) else value)
+
+    # The layout is a nested description of the arrays, for machines; the table keeps to counts.
+    console.print(key_value_table("extract", [(k, with_thousands(v)) for k, v in summary.items() if k != "layout"]))
+
+
+def show_train(summary: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(summary)
+        return
+    last = summary.pop("last") or {}
+    rows = [(k, v) for k, v in summary.items()]
+    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8") if k in last]
+    console.print(key_value_table("train", rows))
+
+
+def show_generate(result: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(result)
+        return
+    console.print(key_value_table("generate", [
+        ("output", result["out"] if result["assembled"] else f"not yet: shards missing {result['shards_missing']}"),
+        ("rows read / written", f"{result['rows']} / {result['rows_written']}"),
+        ("rows skipped (--on-error skip)", result["rows_skipped"]),
+        ("dropped (turn did not end)", result["dropped_unfinished"]),
+        ("turns kept verbatim (unparsed)", result["kept_verbatim"]),
+        ("shards written / already done", f"{result['shards_written']} / {result['shards_already_done']}"),
+        ("rows/s, tokens/s", f"{result['rows_per_s']:.2f}, {result['tokens_per_s']:.1f}"),
+        ("device", result["device"]),
+    ]))
+
+
+def show_eval(result: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(result)
+    else:
+        _eval_tables(result)
+    # Said in both modes: a lossy result is a bug, and the JSON reader must not be the only one told.
+    if not result["lossless"]:
+        error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
+
+
+def _eval_tables(result: dict) -> None:
+    g = result["greedy"]
+    table = Table(title=f"eval: {result['prompts']} prompts, block {result['block_size']}, "
+                        f"greedy {g['tokens_per_s']:,.0f} tok/s", title_justify="left")
+    for col in ("method", "tau (mean of means)", "tau (pooled)", "verify passes/token", "target passes/token",
+                "tok/s", "speed vs greedy", "identical to greedy"):
+        table.add_column(col)
+    rows = [("block", result["block"])] + [(f"ddtree {b}", r) for b, r in result["tree"].items()]
+    for name, r in rows:
+        table.add_row(name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
+                      f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_greedy']:.2f}x",
+                      f"{r['identical_to_greedy']}/{result['prompts']}")
+    console.print(table)
+    if result["tree"]:
+        console.print(f"DDTree verified as {result['tree_verify']} ({result['tree_verify_reason']})", highlight=False)
+    hist = result["block"]["accept_histogram"]
+    console.print("block acceptance lengths: " + "  ".join(f"{k}:{v}" for k, v in hist.items()), highlight=False)
+    if "teacher_forced" in result:
+        tf = result["teacher_forced"]
+        console.print(f"teacher-forced on the cache (last assistant turns, {tf['anchors']:,} anchors): "
+                      f"avg_streak + 1 = {tf['tau_estimate']:.2f}, decoding replayed on its streaks = "
+                      f"{tf['tau_walk']:.2f}, accuracy {tf['accuracy']:.3f}", highlight=False)
+
+
+def show_report(result: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(result)
+    else:
+        _report_tables(result)
+
+
+def show_report_redraw(result: dict, json_out: bool) -> None:
+    """One re-draw of `report --follow`. JSON goes out compact, one document per line and flushed,
+    so a reader of the pipe can split the stream on newlines and sees each re-draw as it happens."""
+    if json_out:
+        print(json.dumps(result, default=str), flush=True)
+    else:
+        _report_tables(result)
+
+
+def _mean_with_ci(window) -> str:
+    """A rolling window as 'mean ± ci95'; a window the log had no entries for is 'missing'."""
+    if not isinstance(window, dict):
+        return "missing"
+    ci = window.get("ci95")
+    return f"{window['mean']:.4g} ± {ci:.2g}" if ci is not None else f"{window['mean']:.4g}"
+
+
+def _report_tables(result: dict) -> None:
+    for run in result["runs"]:
+        _report_run(run)
+    if "comparison" in result:
+        _report_comparison(result)
+    for path in result.get("plots", []):
+        console.print(f"plot: {path}", highlight=False)
+
+
+def _report_run(run: dict) -> None:
+    table = Table(title=f"{run['name']}: {run['entries']} entries to step {run['last_step']:g}, window "
+                        f"{run['window']} entries", title_justify="left")
+    for col in ("metric", "last window (95% CI)", "change vs previous window", "z", "verdict", "extrapolated at end"):
+        table.add_column(col)
+    for metric, v in run["verdicts"].items():
+        last = next((c[metric] for c in reversed(run["checkpoints"]) if isinstance(c.get(metric), dict)), None)
+        verdict = v.get("verdict", "")
+        ext = run["extrapolated"].get(metric)
+        table.add_row(metric, _mean_with_ci(last), f"{v['change']:+.3g}" if "change" in v else "",
+                      f"{v['z']:+.1f}" if "z" in v else "", f"[{VERDICT_COLOURS.get(verdict, 'white')}]{verdict}[/]",
+                      f"{ext:.4g}" if isinstance(ext, float) else "")
+    console.print(table)
+    checkpoints = Table(title=f"{run['name']}: rolling means at checkpoints", title_justify="left")
+    for col in ("at", "loss", "accuracy", "avg_streak", "ddtree_streak8"):
+        checkpoints.add_column(col)
+    for c in run["checkpoints"]:
+        checkpoints.add_row(c["at"], *(_mean_with_ci(c[m]) for m in ("loss", "accuracy", "avg_streak", "ddtree_streak8")))
+    console.print(checkpoints)
+    for problem in run["cliffs"]:
+        console.print(f"[bold red]cliff[/] {problem['metric']} at step {problem['step']:g}: "
+                      f"{problem['before']:.4g} -> {problem['after']:.4g}")
+    for problem in run["grad_norm_anomalies"]:
+        console.print(f"[bold red]grad-norm anomaly[/] at step {problem['step']:g}: {problem['value']:.4g}")
+    if run["missing"]:
+        console.print("[red]missing keys[/] (entries without them; never counted as zero): "
+                      + ", ".join(f"{k} in {n}" for k, n in run["missing"].items()))
+    if "reference" in run and run["reference"]["extrapolated_tau"] is not None:
+        ref = run["reference"]
+        console.print(f"extrapolated tau {ref['extrapolated_tau']:.2f} vs reference {ref['reference_tau']:.2f} "
+                      f"({ref['gap']:+.2f}); {ref['note']}")
+
+
+def _report_comparison(result: dict) -> None:
+    names = [r["name"] for r in result["runs"]]
+    table = Table(title="runs at matching steps (rolling means)", title_justify="left")
+    for col in ("step", "metric", *names, "leader", "margin", "beyond noise"):
+        table.add_column(col)
+    for row in result["comparison"]:
+        for metric in ("loss", "accuracy", "avg_streak"):
+            e = row[metric]
+            means = [f"{e['means'][n]:.4g}" if isinstance(e["means"][n], float) else "missing" for n in names]
+            table.add_row(f"{row['step']:g}", metric, *means, e.get("leader", ""),
+                          f"{e['margin']:.3g}" if "margin" in e else "", "yes" if e.get("significant") else "no")
+    console.print(table)
+
+
+def show_verify(result: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(result)
+        return
+    # The cache path and the checks' evidence quote files and user text: escaped, never read as markup.
+    table = Table(title=f"verify-cache {escape(result['cache'])}", title_justify="left")
+    table.add_column("check", style="bold")
+    table.add_column("status")
+    table.add_column("evidence")
+    for check in result["checks"]:
+        table.add_row(check["check"], f"[{CHECK_COLOURS[check['status']]}]{check['status']}[/]", escape(check["summary"]))
+        # The first few problems only: the full list is in the --json document.
+        for problem in (check["evidence"].get("problems") or check["evidence"].get("failures")
+                        or check["evidence"].get("mismatched") or [])[:5]:
+            table.add_row("", "", f"[red]{escape(problem)}[/]")
+    console.print(table)
+    unsure = [c["check"] for c in result["checks"] if c["status"] == "inconclusive"]
+    note = f" [yellow](inconclusive: {', '.join(unsure)})[/]" if unsure else ""
+    console.print(("[bold green]all checks passed[/]" if result["passed"] else "[bold red]verification FAILED[/]") + note)
+
+
+def show_demo_step(message: str) -> None:
+    """A demo step's heading, on stderr so stdout holds only the summary (or the JSON)."""
+    err_console.print(f"[bold]{message}[/]", highlight=False, markup=True)
+
+
+def show_demo(summary: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(summary)
+        return
+    t, e, c = summary["train"], summary["eval"], summary["cache"]
+    timings = summary["timings"]
+    rows = [
+        ("cache", f"{c['path']}: {c['tokens']:,} tokens in {c['shards']} shards, {c['bytes']:,} bytes, "
+                  f"{c['bytes_per_token']:,.0f} bytes/token"),
+        ("verify-cache", "all checks passed" if summary["verify"]["passed"]
+                         else f"FAILED: {', '.join(summary['verify']['failed_checks'])}"),
+        ("training", f"{t['steps']} steps, block {t['block_size']}: loss {t['loss']:.3f}, accuracy {t['accuracy']:.3f}, "
+                     f"avg_streak {t['avg_streak']:.2f} (teacher-forced)"),
+        ("eval", f"{e['prompts']} held-out prompts, outputs identical to greedy: {'yes' if e['lossless'] else 'NO'}"),
+        ("tau (block)", f"{e['block_tau_mean_of_means']:.2f} mean of per-response means, {e['block_tau_pooled']:.2f} pooled"),
+        # The demo's keys ddtree<budget>_tau_pooled: one row per tree budget.
+        *[(f"tau (DDTree {k[6:].split('_')[0]})", f"{v:.2f} pooled") for k, v in e.items() if k.startswith("ddtree")],
+        ("drafter", t["drafter"]),
+        ("report", ", ".join(summary["report"]["plots"])),
+        # The timings' keys are <step>_s, shown as '<step> N s'.
+        ("wall time", f"{timings['total_s']:.0f} s (" + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in timings.items()
+                                                                 if k != "total_s") + ")"),
+    ]
+    console.print(key_value_table("demo", rows))
+
+
+def show_target_info(summary: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(summary)
+        return
+
+    def four_digits(value):
+        return f"{value:.4g}" if isinstance(value, float) else value
+
+    # Top-level facts first, in one table; each nested section (tokenizer, template, ...) its own.
+    console.print(key_value_table("target", [(k, four_digits(v)) for k, v in summary.items() if not isinstance(v, dict)]))
+    for section, values in summary.items():
+        if isinstance(values, dict):
+            console.print(key_value_table(section, [(k, four_digits(v)) for k, v in values.items()]))
