@@ -159,6 +159,7 @@ def train(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
+    from pipeline.distributed import launched_rank  # heavy: imports torch; keeps `pipeline --help` fast
     from stages.train import resolve_config, run_train  # heavy: imports torch; keeps `pipeline --help` fast
 
     if config is None and Path("train.toml").is_file():
@@ -173,7 +174,7 @@ def train(
                  "verdict_every": verdict_every,
                  "mask_token": int(mask_token) if mask_token is not None and mask_token.strip().isdigit() else mask_token}
     cfg, preset_target = resolve_config(config, overrides)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = launched_rank() == 0
     summary = run_train(cfg, preset_target=preset_target, resume=resume, view=TrainView(rank0 and not json_out),
                         warn=warning)
     if not rank0:
@@ -204,10 +205,10 @@ def generate(
     json_out: JsonOpt = False,
 ) -> None:
     """Regenerate the conversations' assistant turns with the target itself (resumable, sharded)."""
+    from pipeline.distributed import launched_rank  # heavy: imports torch; keeps `pipeline --help` fast
     from stages.generate import run_generate  # heavy: imports torch; keeps `pipeline --help` fast
 
-    rank = int(os.environ.get("RANK", 0))
-    with ProgressBar("generate", "rows", total=0, enabled=not json_out and rank == 0) as bar:
+    with ProgressBar("generate", "rows", total=0, enabled=not json_out and launched_rank() == 0) as bar:
         result = run_generate(data=data, out=out, target=target, server=server, model=model, concurrency=concurrency,
                               shards=shards, num_shards=num_shards, turns=turns,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -240,12 +241,11 @@ def eval_(
     from stages.eval import run_eval  # heavy: imports torch; keeps `pipeline --help` fast
 
     budgets = _int_list(tree_budget, "--tree-budget") or []
-    count = limit or sum(1 for line in open(prompts, encoding="utf-8") if line.strip()) if prompts and Path(prompts).is_file() else (limit or 200)
-    with ProgressBar("eval", "prompts", total=count, enabled=not json_out) as bar:
+    with ProgressBar("eval", "prompts", total=0, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
                           device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning,
-                          report_to=report_to)
+                          report_to=report_to, on_total=bar.set_total)
     show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)

@@ -32,7 +32,10 @@ from pipeline.tracking import parse_report_to, report_eval, tracker_class
 def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
-             tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None) -> dict:
+             tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None,
+             on_total=None) -> dict:
+    """Decode every prompt with each variant; `progress(n, tokens=, note=)` per batch of prompts,
+    `on_total(prompts)` once they are read."""
     device_, dtype_ = resolve_device(device, dtype)
     if tree_verify not in (*TREE_VERIFY, "auto"):
         raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, auto; got {tree_verify!r}")
@@ -80,6 +83,8 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
                             "use --tree-verify paths and --batch-size 1")
     eos = end_of_turn_ids(tokenizer)
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
+    if on_total:
+        on_total(len(items))
 
     reference, blocks, trees, seconds = decode_variants(
         live, drafter, [item["ids"] for item in items], max_new=max_new_tokens, eos=eos, tree_budgets=tree_budgets,
