@@ -8,16 +8,17 @@ is committed (`extend`), into buffers that grow by doubling; a step (`logits`) p
 block's B tokens. A full-attention layer still reads all cached keys (B queries x T keys, small);
 a sliding-window layer reads only the window's.
 
-Same computation per row as `DFlashDrafter.forward` with the dense mask (eval's reference path):
-tests/test_eval.py checks the drafts token for token.
+A step runs the model's own layers (`DFlashDrafter.block_states`), handing them the cached keys
+and values instead of the context features: the same computation per row as
+`DFlashDrafter.forward` with the dense mask (eval's reference path). tests/test_incremental.py
+checks the logits against that forward; tests/test_eval.py the drafts, token for token.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from pipeline.drafter.model import DFlashDrafter, window_mask
+from pipeline.drafter.model import DFlashDrafter, DraftAttention, suffix_attention, window_start
 
 
 class DraftContext:
@@ -66,21 +67,15 @@ class DraftContext:
         ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
         block_pos = torch.arange(anchor_pos, anchor_pos + c.block_size, device=device)[None]
-        x = d.embed(ids).to(d.fc.weight.dtype)
-        for i, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.query(h, block_pos)
-            kb, vb = attn.key_value(h, block_pos)
-            # A sliding layer's block query at anchor_pos + k sees context positions > anchor_pos + k - W.
-            low = 0 if attn.window is None else max(0, anchor_pos - attn.window + 1)
-            k = torch.cat([self._keys[i][:, :, low:self.length], kb], dim=2) if self.length else kb
-            v = torch.cat([self._values[i][:, :, low:self.length], vb], dim=2) if self.length else vb
-            mask = None
-            if attn.window is not None:
-                key_pos = torch.cat([torch.arange(low, self.length, device=device), block_pos[0]])[None]
-                mask = window_mask(block_pos, key_pos, attn.window)[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, c.block_size, -1))
-            x = layer.feed_forward(x)
-        return d.lm_head(d.norm(x))[0, 1:].float()
+        states = d.block_states(ids, block_pos, self._visible_keys_values, suffix_attention(block_pos), d.fc.weight.dtype)
+        return d.lm_head(states)[0, 1:].float()
+
+    def _visible_keys_values(self, attn: DraftAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached context keys and values [1, kv, t, D] that layer `attn.layer`'s block can
+        see: all of them, or in a sliding layer those from its window's start on (the block
+        follows the whole context)."""
+        keys, values = self._keys[attn.layer], self._values[attn.layer]
+        if keys is None:  # nothing committed yet
+            keys = values = attn.k_proj.weight.new_empty(1, attn.c.num_key_value_heads, 0, attn.c.head_dim)
+        low = window_start(self.length, attn.window)
+        return keys[:, :, low:self.length], values[:, :, low:self.length]

@@ -27,56 +27,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-@dataclass(kw_only=True)
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    target_layer_ids: list[int]
-    num_target_layers: int
-    mask_token_id: int
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    layer_types: list[str] | None = None    # None: every layer "full_attention"
-    sliding_window: int | None = None        # W of the "sliding_attention" layers
-
-    def __post_init__(self):
-        if self.layer_types is None:
-            self.layer_types = [FULL] * self.num_hidden_layers
-        self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
-        if unknown:
-            raise ValueError(f"layer_types: unknown kind {unknown[0]!r} (expected {FULL!r} or {SLIDING!r})")
-        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of layer `layer`, None for a full-attention layer."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+# Re-exported: stages, the export, benchmarks and tests import the config from this module.
+from pipeline.drafter.config import FULL, SLIDING, DrafterConfig  # noqa: F401
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +54,7 @@ class DraftAttention(nn.Module):
     def __init__(self, c: DrafterConfig, layer: int):
         super().__init__()
         self.c = c
+        self.layer = layer  # which layer's cached keys and values are this module's (incremental.py)
         self.window = c.window(layer)
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -113,15 +71,17 @@ class DraftAttention(nn.Module):
     def key_value(self, x_BNH, pos_BN):
         """([B, kv heads, N, D] keys normed and rotated, values) of context features or block states:
         a position's pair depends on that position alone, so decoding caches the context's
-        (pipeline/drafter/incremental.py)."""
+        (pipeline/drafter/incremental.py) and hands them in through `context_kv`."""
         b, n, _ = x_BNH.shape
         k = self.k_norm(self.k_proj(x_BNH).view(b, n, -1, self.c.head_dim)).transpose(1, 2)
         return rope(k, pos_BN, self.c.rope_theta), self.v_proj(x_BNH).view(b, n, -1, self.c.head_dim).transpose(1, 2)
 
-    def forward(self, block_BQH, context_BTH, block_pos, context_pos, attend):
+    def forward(self, block_BQH, context_kv, block_pos, attend):
+        """`context_kv(self)`: the context's keys and values this layer attends to, projected from
+        the features here (`DFlashDrafter.forward`) or read from the decoding cache."""
         b, q_len, _ = block_BQH.shape
         q = self.query(block_BQH, block_pos)
-        kc, vc = self.key_value(context_BTH, context_pos)
+        kc, vc = context_kv(self)
         kb, vb = self.key_value(block_BQH, block_pos)
         out = attend(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
@@ -133,6 +93,12 @@ def window_mask(query_pos_BQ: torch.Tensor, key_pos_BK: torch.Tensor, window: in
     return (k <= q) & (k > q - window)
 
 
+def window_start(first_query_pos: int, window: int | None) -> int:
+    """The first context position that queries from `first_query_pos` on can see: 0 in a
+    full-attention layer; in a sliding one, keys before it are outside every such query's window."""
+    return 0 if window is None else max(0, first_query_pos - window + 1)
+
+
 def dense_attention(allowed_BQK, block_pos_BQ, context_pos_BT):
     """Attention under an explicit mask [B, Q, T + Q] (eval's one block, and the reference);
     a sliding layer further restricts it by position (`window_mask`)."""
@@ -141,6 +107,21 @@ def dense_attention(allowed_BQK, block_pos_BQ, context_pos_BT):
     def attend(q, k, v, window):
         allowed = allowed_BQK if window is None else allowed_BQK & window_mask(block_pos_BQ, key_pos, window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+    return attend
+
+
+def suffix_attention(block_pos_BQ):
+    """One block attending to the context positions right before it (a suffix of the context,
+    as the decoding cache hands them over: from the layer's `window_start`), then to itself. A
+    full layer needs no mask: the block sees all of it. A sliding layer masks by position
+    (`window_mask`), the key positions following from that layout."""
+    def attend(q, k, v, window):
+        if window is None:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        first_key = block_pos_BQ[:, :1] - (k.shape[2] - q.shape[2])
+        key_pos = first_key + torch.arange(k.shape[2], device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(block_pos_BQ, key_pos, window)[:, None],
+                                              enable_gqa=True)
     return attend
 
 
@@ -196,7 +177,7 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, w
                           for i in starts]).tolist()  # one device sync for all pieces
     spans = []
     for i, (low_anchor, high) in zip(starts, bounds):
-        low = 0 if window is None else max(0, low_anchor - window + 1)
+        low = window_start(low_anchor, window)
         spans.append((low, max(high, low), i * block, min(i + piece_anchors, a) * block))
     if len(spans) == 1 and spans[0][:2] == (0, context_len):
         piece_keys, piece_values = (k,), (v,)
@@ -295,8 +276,8 @@ class DraftLayer(nn.Module):
             "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False),
         })
 
-    def forward(self, x, context, block_pos, context_pos, attend):
-        x = x + self.self_attn(self.input_layernorm(x), context, block_pos, context_pos, attend)
+    def forward(self, x, context_kv, block_pos, attend):
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, block_pos, attend)
         return self.feed_forward(x)
 
     def feed_forward(self, x):
@@ -347,6 +328,16 @@ class DFlashDrafter(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self._frozen["lm_head"].weight
 
+    def block_states(self, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor, context_kv, attend,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """The final normed states [B, Q, H] of the block tokens: embedding (cast to `dtype`), every
+        layer, norm. Each layer attends to the context keys and values `context_kv(self_attn)`
+        gives it (forward: projected from the features; decoding: its cache) as `attend` rules."""
+        x = self._frozen["embed"](block_ids_BQ).to(dtype)
+        for layer in self.layers:
+            x = layer(x, context_kv, block_pos_BQ, attend)
+        return self.norm(x)
+
     def forward(self, hidden_BTNH: torch.Tensor, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor,
                 allowed_BQK: torch.Tensor | None = None, *, anchors_BA: torch.Tensor | None = None,
                 logits: bool = True) -> torch.Tensor:
@@ -368,8 +359,8 @@ class DFlashDrafter(nn.Module):
             attend = flex_attention(anchors_BA, t, block_ids_BQ.shape[1], windows, compiled=context.is_cuda)
         else:
             attend = split_attention(anchors_BA, t)
-        x = self._frozen["embed"](block_ids_BQ).to(context.dtype)
-        for layer in self.layers:
-            x = layer(x, context, block_pos_BQ, context_pos, attend)
-        x = self.norm(x)
+
+        def context_kv(attn: DraftAttention):  # every layer projects the shared context with its own k/v
+            return attn.key_value(context, context_pos)
+        x = self.block_states(block_ids_BQ, block_pos_BQ, context_kv, attend, context.dtype)
         return self._frozen["lm_head"](x) if logits else x

@@ -1,0 +1,53 @@
+"""The drafter's shape: sizes, the target layers it taps, its block, and each layer's kind
+(`full_attention` or `sliding_attention` with window `sliding_window`; what the kinds mean is
+pipeline/drafter/model.py's docstring). Checked when built, so a bad config fails here, not in
+the middle of a forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    layer_types: list[str] | None = None    # None: every layer "full_attention"
+    sliding_window: int | None = None        # W of the "sliding_attention" layers
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(f"layer_types: unknown kind {unknown[0]!r} (expected {FULL!r} or {SLIDING!r})")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
