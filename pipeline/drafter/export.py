@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.drafter.model import SLIDING, DFlashDrafter, DrafterConfig
+from pipeline.drafter.config import SLIDING, DrafterConfig
+from pipeline.drafter.model import DFlashDrafter
 from pipeline.errors import PipelineError
 
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -10,7 +10,7 @@ from pathlib import Path
 from manifests import load_preset, preset_names
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig
-from pipeline.drafter.model import DrafterConfig
+from pipeline.drafter.config import DrafterConfig
 from pipeline.errors import PipelineError
 from pipeline.target import TargetFacts, load_tokenizer, reserved_token_ids
 
