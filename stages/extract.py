@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.cache.encoding import encode_bf16, encode_fp8
+from pipeline.cache.encoding import encode_rows
 from pipeline.cache.commit import shard_committed
 from pipeline.cache.files import FileLock
 from pipeline.cache.location import LocalLocation, Location, open_location
@@ -212,22 +212,6 @@ def length_batches(samples: list, batch_tokens: int) -> list[list]:
     return batches
 
 
-def encode_rows(cfg: ExtractConfig, ids: list[int], mask: list[int], out: dict) -> dict[str, np.ndarray]:
-    rows = {
-        "input_ids": np.asarray(ids, dtype=np.int32),
-        "loss_mask": np.asarray(mask, dtype=np.uint8),
-        "target_argmax": out["target_argmax"].numpy().astype(np.int32),
-        "target_topk_ids": out["target_topk_ids"].numpy().astype(np.int32),
-        "target_topk_logits": out["target_topk_logits"].numpy().astype(np.float32),
-        "target_logsumexp": out["target_logsumexp"].numpy().astype(np.float32),
-    }
-    if cfg.hidden_format == "bf16":
-        rows["hidden"] = encode_bf16(out["hidden"])
-    else:
-        rows["hidden"], rows["hidden_scale"] = encode_fp8(out["hidden"])
-    return rows
-
-
 def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool = True) -> dict:
     start = time.perf_counter()
     layout = init_layout(cfg.tp)
@@ -404,7 +388,7 @@ class _ShardRun:
             self.background.submit(lambda: self._commit(writer, shard, lock))
 
     def _encode(self, ids, mask, out) -> dict[str, np.ndarray]:
-        rows = encode_rows(self.cfg, ids, mask, out)
+        rows = encode_rows(self.cfg.hidden_format, ids, mask, out)
         failpoint("extract.encoded")
         return rows
 
