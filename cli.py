@@ -293,7 +293,8 @@ def verify_cache(
 ) -> None:
     """Prove a cache is complete, intact, aligned and correctly masked. Exit 0: all checks pass;
     1: a check failed; 2: usage error."""
-    from stages.verify import run_verify, show_sample  # heavy: imports torch; keeps `pipeline --help` fast
+    from pipeline.cache.sample_view import show_sample  # heavy: imports torch; keeps `pipeline --help` fast
+    from stages.verify import run_verify  # heavy: imports torch; keeps `pipeline --help` fast
 
     try:
         apply_threads(_state["threads"])

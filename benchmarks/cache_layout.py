@@ -171,7 +171,8 @@ def stored_frames(shard_dir: Path) -> list[bytes]:
 
 def synthetic_manifest(hidden: int):
     """A manifest for shards written by `write_shard` (no target ran: its identity is made up)."""
-    from pipeline.cache.manifest import SourcesRecord, new_manifest, parse_identity
+    from pipeline.cache.identity import parse_identity
+    from pipeline.cache.manifest import SourcesRecord, new_manifest
 
     made_up = "synthetic (benchmarks/cache_layout.py)"
     identity = parse_identity({

@@ -23,9 +23,8 @@ import torch.distributed as dist
 
 from manifests import load_preset
 from pipeline.cache.files import write_json_atomic
-from pipeline.cache.local_copy import open_cache
 from pipeline.cache.manifest import describe_missing
-from pipeline.cache.reader import CacheReader
+from pipeline.cache.reader import open_cache
 from pipeline.cache.sharded import keep_sample_buffers_mapped
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.devices import resolve_device
@@ -72,7 +71,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         warn(hazard)
     device, _ = resolve_device("auto", "auto")
     keep_sample_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
-    reader = CacheReader(open_cache(cfg.cache, cfg.cache_local, cfg.cache_local_size))
+    reader = open_cache(cfg.cache, cfg.cache_local, cfg.cache_local_size)
     manifest = reader.manifest
     target_dir = resolve_target(cfg.target, manifest.recorded_target())
     facts = read_target_facts(target_dir)

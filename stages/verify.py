@@ -1,8 +1,9 @@
 """`pipeline verify-cache`: prove a cache is complete, intact, aligned and correctly masked.
 
 Orchestrates the checks, over every sample of the selected shards (DESIGN 10): model-free ones
-(pipeline/cache/checks.py: structure, digests, checksums, finiteness, tap signatures, label
-alignment, top-k, provenance), the loss masks with the target's tokenizer and chat template
+(pipeline/cache/: selection_checks (completeness, target identity), structure_checks (structure,
+digests, provenance), chunk_checks (checksums, finiteness, tap signatures), label_checks (label
+alignment, top-k)), the loss masks with the target's tokenizer and chat template
 (pipeline/cache/sample_checks.py), and, with the target's weights, the tail recompute of every
 sample and the stratified `--recompute N` (pipeline/cache/model_checks.py), on a GPU when present.
 """
@@ -13,57 +14,20 @@ import resource
 import time
 from pathlib import Path
 
-import numpy as np
-
-from pipeline.cache.checks import (
-    Check,
-    check_alignment,
-    check_chunks,
-    check_digests,
-    check_provenance,
-    check_structure,
-    open_cache,
-    sound_shards,
-)
+from pipeline.cache.bounded_reads import sound_shards
+from pipeline.cache.check_report import Check
+from pipeline.cache.chunk_checks import check_chunks
+from pipeline.cache.label_checks import check_alignment
 from pipeline.cache.location import open_location
-from pipeline.cache.manifest import describe_missing
 from pipeline.cache.model_checks import check_recompute, check_tail, stratified_picks
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.sample_checks import check_loss_masks, check_mask_boundaries
-from pipeline.cache.schema import shard_index, shard_name
-from pipeline.data.loss_mask import token_kinds
-from pipeline.data.shard_plan import parse_shards
-from pipeline.devices import resolve_device
+from pipeline.cache.selection_checks import check_completeness, check_target_identity, select_shards
+from pipeline.cache.structure_checks import check_digests, check_provenance, check_structure
+from pipeline.devices import dtype_name, resolve_device
 from pipeline.errors import PipelineError
-from pipeline.target import identity_claims, load_model, load_tokenizer, resolve_target
+from pipeline.target import load_model, load_tokenizer, resolve_target
 from pipeline.ui import ProgressBar
-
-
-def select_shards(reader: CacheReader, spec: str | None, *, broken: bool = False) -> list[str]:
-    """Committed shards (`broken`: also those whose commit record does not match their files,
-    for the structure and digest checks to name what is wrong with them)."""
-    names = sorted({*reader.shards, *(reader.manifest.broken if broken else ())}, key=shard_index)
-    if spec is None:
-        return names
-    wanted = {shard_name(i) for i in parse_shards(spec, reader.manifest.identity.num_shards)}
-    return [s for s in names if s in wanted]
-
-
-def check_completeness(reader: CacheReader, spec: str | None) -> Check:
-    """Every one of the cache's num_shards (or of --shards) is committed."""
-    wanted = None if spec is None else parse_shards(spec, reader.manifest.identity.num_shards)
-    found = reader.manifest.missing_shards(wanted)
-    if not found["missing"]:
-        return Check("completeness", True, f"all {found['checked']} shards committed", found)
-    return Check("completeness", False, describe_missing(found) + "; extract the missing shards (same command)", found)
-
-
-def check_target_identity(reader: CacheReader, target_dir: Path, tokenizer) -> Check:
-    """The target is the one the cache was extracted with: config, tokenizer, chat template, sizes."""
-    differences = reader.manifest.identity.differences(identity_claims(target_dir, tokenizer=tokenizer))
-    problems = [d.versus("cache", "target") for d in differences]
-    return Check("target_identity", not problems, f"{target_dir}: " + ("; ".join(problems) if problems else "config, tokenizer and chat template match the manifest"),
-                 {"problems": problems, "fields": [d.field for d in differences]})
 
 
 def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
@@ -112,7 +76,7 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
         checks.append(check_loss_masks(reader, present, tokenizer))
         if tail_rate > 0 or recompute:
             model = load_model(target_dir, dtype=placement[1]).to(placement[0])
-            compute = {"device": str(placement[0]), "dtype": str(placement[1]).removeprefix("torch.")}
+            compute = {"device": str(placement[0]), "dtype": dtype_name(placement[1])}
             if tail_rate > 0:
                 checks.append(check_tail(reader, present, model, tail_rate, seed, compute["dtype"]))
             if recompute:
@@ -129,28 +93,3 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
     return {"cache": location.where(), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "compute": compute,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def show_sample(cache_dir: str | Path, sample_id: int, target: Path | None) -> dict:
-    """The sample as `--show` prints it: its tokens decoded one by one, each one's kind
-    (reasoning, content, tool call, end of turn; '' = not supervised), loss mask and label (the
-    target's argmax at the position before, DESIGN 3.2), and a one-line span summary."""
-    reader = open_cache(cache_dir)
-    shard = reader.find(sample_id)
-    try:
-        target_dir = resolve_target(target, reader.manifest.recorded_target())
-    except PipelineError as e:
-        raise PipelineError(f"--show needs the target's tokenizer: {e}") from None
-    tokenizer = load_tokenizer(target_dir)
-    ids, mask = shard.read("input_ids", sample_id).tolist(), shard.read("loss_mask", sample_id).tolist()
-    argmax = shard.read("target_argmax", sample_id).tolist()
-    pieces = [tokenizer.decode([token]) for token in ids]
-    ends = np.cumsum([len(p) for p in pieces])
-    offsets = np.stack([ends - [len(p) for p in pieces], ends], axis=1) if pieces else np.zeros((0, 2), dtype=np.int64)
-    kinds = token_kinds("".join(pieces), offsets, mask, reader.manifest.identity.tokenizer.end_of_turn)
-    supervised = [i for i, m in enumerate(mask) if m]
-    by_kind = ", ".join(f"{kinds.count(k)} {k.replace('_', ' ')}" for k in ("reasoning", "content", "tool_call", "end_of_turn"))
-    header = (f"sample {sample_id} ({shard.name}): {len(ids)} tokens, {len(supervised)} supervised ({by_kind}), "
-              f"first {supervised[0] if supervised else None}, last {supervised[-1] if supervised else None}")
-    return {"sample_id": sample_id, "shard": shard.name, "summary": header, "input_ids": ids, "loss_mask": mask,
-            "labels": [None, *argmax[:-1]], "pieces": pieces, "kinds": kinds}

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from extract_helpers import manifest_json, small_cache
-from pipeline.cache.manifest import parse_identity, read_manifest
+from pipeline.cache.identity import parse_identity
+from pipeline.cache.manifest import read_manifest
 from pipeline.errors import PipelineError
 from pipeline.target import RecordedTarget, config_sha256, resolve_target
 
@@ -160,7 +161,7 @@ def test_verify_and_train_compare_a_target_with_the_same_comparison(cache, embed
     from pipeline.cache.reader import CacheReader
     from pipeline.target import load_tokenizer
     from stages.train import resolve_config, run_train
-    from stages.verify import check_target_identity
+    from pipeline.cache.selection_checks import check_target_identity
 
     other = tmp_path / "other"
     shutil.copytree(embedded.TARGET_DIR, other)

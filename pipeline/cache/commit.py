@@ -23,7 +23,6 @@ from typing import Any
 
 from zarr.storage import WrapperStore
 
-from pipeline.cache.files import digest_of_files
 from pipeline.cache.location import Location
 from pipeline.cache.schema import DIGESTS, shard_index
 from pipeline.errors import PipelineError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.cache.manifest import Identity, parse_identity
+from pipeline.cache.identity import Identity, parse_identity
 from pipeline.cache.schema import Chunking
 from pipeline.config import ExtractConfig
 from pipeline.data.loss_mask import GenerationPrompt

@@ -17,8 +17,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from pipeline.cache.location import LocalLocation, Location, open_location
-from pipeline.config import parse_size
+from pipeline.cache.location import LocalLocation, Location
 from pipeline.errors import PipelineError
 
 
@@ -130,15 +129,3 @@ class LocalCopies(Location):
 
     def delete_prefix(self, prefix):
         raise PipelineError(f"{self.where(prefix)}: a cache read through --cache-local is read-only")
-
-
-def open_cache(cache: str, local: str | None, local_size: str | int | None) -> Location:
-    """The cache's location; a remote one read through bounded local copies (DIR, of at most
-    `local_size`) with --cache-local DIR."""
-    location = open_location(cache)
-    location.check_reachable()
-    if local is None:
-        return location
-    if not location.remote:
-        raise PipelineError(f"--cache-local: {cache} is already on this machine's filesystem")
-    return LocalCopies(location, Path(local), parse_size(local_size))

@@ -2,10 +2,8 @@
 
 This module owns the manifest: `read_manifest` parses and validates `manifest.json` once into a
 typed `Manifest` (unknown schema versions refused); every consumer reads its fields, and
-`update_manifest` writes it. The cache's identity (target, tokenizer, data, capture) is one
-`Identity` record with one comparison, `Identity.differences`, used by extract (a conflicting
-invocation), train (cache vs drafter, preset and target) and verify (shard vs cache, target vs
-cache).
+`create_manifest` writes it. The cache's identity is one `Identity` record
+(pipeline/cache/identity.py); the JSON is read and written by pipeline/cache/records.py.
 
 Which shards are committed is derived from their commit records (pipeline/cache/commit.py):
 manifest.json itself is written once, when the cache is created, with a create-if-absent write,
@@ -20,22 +18,20 @@ schema-2 caches stay readable.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from pipeline.cache.identity import Identity
 from pipeline.cache.location import Location, open_location
+from pipeline.cache.records import RecordFieldError, dump_record, parse_record, stored_as
 from pipeline.cache.schema import (
     FORMAT_NAME,
     MANIFEST,
     MAX_SHARDS,
     SCHEMA_VERSION,
-    Chunking,
     check_dims,
     shard_index,
     shard_name,
@@ -45,176 +41,6 @@ from pipeline.errors import PipelineError
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def key(name: str) -> Any:
-    """A field stored under another JSON key than its attribute name."""
-    return field(metadata={"key": name})
-
-
-def label(text: str, **kwargs) -> Any:
-    """A field with a human name for messages (defaults: the dotted field path)."""
-    return field(metadata={"label": text}, **kwargs)
-
-
-# --------------------------------------------------------------------------- the identity
-
-
-@dataclass(frozen=True, kw_only=True)
-class TargetRecord:
-    model_type: str
-    config_sha256: str = label("target config.json sha256")
-    num_hidden_layers: int
-    weights: dict = label("target weights")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenizerRecord:
-    files_sha256: str = label("tokenizer files sha256")
-    chat_template_sha256: str = label("chat template sha256")
-    chat_template_kwargs: dict | None
-    thinking: str
-    generation_prompt: str
-    reasoning: str
-    boundary_tokens: str
-    end_of_turn: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataRecord:
-    num_rows: int
-    files: list[dict]
-    generated_by: str | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class CaptureRecord:
-    target_layer_ids: list[int]
-    tap_convention: str
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    top_k: int
-    hidden_format: str
-    stored_dtype: str
-    compute_dtype: str
-    max_length: int
-    overlong: str
-    on_error: str
-    zstd_level: int
-    checksum: str
-    storage: dict
-
-    def dims(self) -> dict[str, int]:
-        """The array dimensions the schema derives shapes from."""
-        return {"n_taps": len(self.target_layer_ids), "hidden_size": self.hidden_size, "top_k": self.top_k}
-
-    def chunking(self) -> Chunking:
-        return Chunking.from_options(self.storage["options"])
-
-
-# Each shard repeats part of the identity (so a shard written by another tokenizer or tap set
-# shows up); on disk under these flat names, compared as these identity fields.
-SHARD_IDENTITY_FIELDS = {
-    "target_config_sha256": "target.config_sha256",
-    "tokenizer_files_sha256": "tokenizer.files_sha256",
-    "chat_template_sha256": "tokenizer.chat_template_sha256",
-    "target_layer_ids": "capture.target_layer_ids",
-    "hidden_size": "capture.hidden_size",
-    "vocab_size": "capture.vocab_size",
-    "top_k": "capture.top_k",
-    "hidden_format": "capture.hidden_format",
-}
-
-
-@dataclass(frozen=True)
-class Difference:
-    """One identity field whose recorded value differs from another's (or is absent on one side)."""
-    field: str
-    label: str
-    recorded: Any
-    other: Any
-
-    def arrow(self) -> str:
-        return f"{self.field}: {self.recorded!r} -> {self.other!r}"
-
-    def versus(self, recorded_name: str, other_name: str) -> str:
-        return f"{self.label}: {recorded_name} {_brief(self.recorded)} vs {other_name} {_brief(self.other)}"
-
-
-def _brief(value: Any) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else text[:16] + "..."
-
-
-@dataclass(frozen=True, kw_only=True)
-class Identity:
-    """Everything that decides a cache's content; a later extract invocation must match it exactly."""
-    num_shards: int
-    target: TargetRecord
-    tokenizer: TokenizerRecord
-    data: DataRecord
-    capture: CaptureRecord
-
-    def flat(self) -> dict[str, Any]:
-        """{dotted field path: value}, nested mappings flattened too."""
-        return _flatten(_dump(self))
-
-    def get(self, path: str) -> Any:
-        value: Any = self
-        for part in path.split("."):
-            if is_dataclass(value):
-                value = getattr(value, part, None)
-            elif isinstance(value, dict):
-                value = value.get(part)
-            else:
-                return None
-        return _dump(value)
-
-    def differences(self, claims: Mapping[str, Any], *, complete: bool = False) -> list[Difference]:
-        """The claimed fields (dotted paths) whose values differ from this identity's; with
-        `complete`, also the fields of this identity that `claims` lacks (claims = another identity's
-        `flat()`). The one comparison of identities in the tool."""
-        if complete:
-            # Flattened on both sides: mapping keys may contain dots (weight file names).
-            mine = self.flat()
-            pairs = [(p, mine.get(p), claims.get(p)) for p in sorted(set(mine) | set(claims))]
-        else:
-            pairs = [(p, self.get(p), claims[p]) for p in sorted(claims)]
-        return [Difference(path, _label_of(path), a, b) for path, a, b in pairs if a != b]
-
-    def shard_identity(self) -> dict:
-        """What each shard repeats of this identity, under the shard record's names."""
-        return {name: self.get(path) for name, path in SHARD_IDENTITY_FIELDS.items()}
-
-
-def shard_claims(shard_identity: Mapping[str, Any]) -> dict[str, Any]:
-    """A shard's repeated identity as identity-field claims (an unknown name is kept, and differs)."""
-    return {SHARD_IDENTITY_FIELDS.get(name, f"shard.{name}"): value for name, value in shard_identity.items()}
-
-
-_SHARD_NAMES = {path: name for name, path in SHARD_IDENTITY_FIELDS.items()}
-
-
-def shard_field_name(path: str) -> str:
-    """The shard record's name for an identity field path (inverse of `shard_claims`)."""
-    return _SHARD_NAMES.get(path, path.removeprefix("shard."))
-
-
-def _label_of(path: str) -> str:
-    cls: Any = Identity
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        found = {f.name: f for f in fields(cls)} if is_dataclass(cls) else {}
-        if part not in found:
-            break
-        if i == len(parts) - 1 or not is_dataclass(_hints(cls)[part]):
-            return found[part].metadata.get("label", path)
-        cls = _hints(cls)[part]
-    return path
-
-
-# --------------------------------------------------------------------------- the manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,7 +90,7 @@ class Manifest:
     schema_version: int
     created: str
     updated: str | None = None
-    identity: Identity = key("config")
+    identity: Identity = stored_as("config")
     provenance: dict
     plan: PlanRecord
     shards: dict[str, ShardRecord]
@@ -277,7 +103,7 @@ class Manifest:
 
     def with_shard(self, name: str, record: ShardRecord | dict) -> Manifest:
         if isinstance(record, dict):
-            record = _parse(ShardRecord, record, f"shards.{name}.")
+            record = parse_record(ShardRecord, record, f"shards.{name}.")
         return replace(self, shards={**self.shards, name: record})
 
     def committed(self) -> list[str]:
@@ -303,19 +129,15 @@ class Manifest:
                 "num_rows": num_rows}
 
     def to_json(self) -> dict:
-        return _dump(self)
+        return dump_record(self)
 
 
 def new_manifest(*, identity: Identity, provenance: dict, plan: dict, sources: SourcesRecord,
                  resolved_config: dict | None = None) -> Manifest:
     from pipeline.cache.commit import PROTOCOL
     return Manifest(format=FORMAT_NAME, schema_version=SCHEMA_VERSION, created=_now(), identity=identity,
-                    provenance=provenance, plan=_parse(PlanRecord, plan, "plan."), shards={}, sources=sources,
+                    provenance=provenance, plan=parse_record(PlanRecord, plan, "plan."), shards={}, sources=sources,
                     resolved_config=resolved_config, commit_protocol=PROTOCOL)
-
-
-def parse_identity(value: dict, where: str = "config.") -> Identity:
-    return _parse(Identity, value, where)
 
 
 def describe_missing(found: dict) -> str:
@@ -349,8 +171,8 @@ def read_manifest(cache: Location | str | Path, listing: dict[str, int] | None =
     for name, record in records.items():
         try:
             shard_index(name)
-            shards[name] = _parse(ShardRecord, record, f"{name}/digests.json: shard.")
-        except _FieldError as e:
+            shards[name] = parse_record(ShardRecord, record, f"{name}/digests.json: shard.")
+        except RecordFieldError as e:
             broken[name] = f"{location.where(name)}: {e}"
     return replace(manifest, shards=shards, broken=broken)
 
@@ -378,8 +200,8 @@ def parse_manifest(raw: Any, path: Path | str) -> Manifest:
         except ValueError:
             raise PipelineError(f"{path}: invalid shard name {name!r} in 'shards'") from None
     try:
-        manifest = _parse(Manifest, raw, "")
-    except _FieldError as e:
+        manifest = parse_record(Manifest, raw, "")
+    except RecordFieldError as e:
         raise PipelineError(f"{path}: {e}") from None
     capture = manifest.identity.capture
     try:
@@ -402,91 +224,3 @@ def create_manifest(location: Location, manifest: Manifest) -> tuple[Manifest, b
     if existing is None:
         raise PipelineError(f"{location.where(MANIFEST)}: exists but cannot be read back")
     return existing, False
-
-
-# Resolved once per record class: a manifest has a record per shard, and resolving the
-# (string) annotations is the costly part of parsing one.
-_hints = functools.cache(typing.get_type_hints)
-
-
-class _FieldError(Exception):
-    pass
-
-
-def _kind(tp: Any) -> str:
-    return {int: "an integer", str: "a string", float: "a number", bool: "true or false", dict: "a mapping",
-            list: "a list"}.get(typing.get_origin(tp) or tp, str(tp))
-
-
-def _parse(tp: Any, value: Any, where: str) -> Any:
-    """`value` (parsed JSON) checked against type `tp`; dataclasses built field by field. `where`
-    is the dotted path so far, ending with '.'."""
-    name = where.rstrip(".") or "manifest"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _parse(inner, value, where)
-    if tp is Any:
-        return value
-    if is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise _FieldError(f"field '{name}' must be a mapping, got {type(value).__name__}")
-        hints, kwargs, known = _hints(tp), {}, set()
-        for f in fields(tp):
-            if f.name == "extra" or f.metadata.get("stored") is False:
-                continue
-            json_key = f.metadata.get("key", f.name)
-            known.add(json_key)
-            if json_key not in value:
-                if f.default is MISSING and f.default_factory is MISSING:
-                    raise _FieldError(f"field '{where}{json_key}' is missing")
-                continue
-            kwargs[f.name] = _parse(hints[f.name], value[json_key], f"{where}{json_key}.")
-        unknown = {k: v for k, v in value.items() if k not in known}
-        if "extra" in hints:
-            kwargs["extra"] = unknown
-        elif unknown:
-            raise _FieldError(f"field '{where}{sorted(unknown)[0]}' is not known to this version")
-        return tp(**kwargs)
-    if origin is list or tp is list:
-        if not isinstance(value, list):
-            raise _FieldError(f"field '{name}' must be a list, got {type(value).__name__}")
-        return [_parse(args[0], v, f"{where}{i}.") for i, v in enumerate(value)] if args else value
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise _FieldError(f"field '{name}' must be a mapping, got {type(value).__name__}")
-        return {k: _parse(args[1], v, f"{where}{k}.") for k, v in value.items()} if args else value
-    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool)}[tp]
-    if not ok(value):
-        raise _FieldError(f"field '{name}' must be {_kind(tp)}, got {type(value).__name__}")
-    return value
-
-
-def _dump(value: Any) -> Any:
-    """The JSON form of a record (inverse of `_parse`)."""
-    if is_dataclass(value):
-        out = {}
-        for f in fields(value):
-            if f.name == "extra" or f.metadata.get("stored") is False:
-                continue
-            out[f.metadata.get("key", f.name)] = _dump(getattr(value, f.name))
-        return {**out, **getattr(value, "extra", {})}
-    if isinstance(value, dict):
-        return {k: _dump(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_dump(v) for v in value]
-    return value
-
-
-def _flatten(value: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in value.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

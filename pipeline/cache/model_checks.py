@@ -14,9 +14,10 @@ import time
 import numpy as np
 import torch
 
-from pipeline.cache.checks import Check, SampleList, sound_shards
+from pipeline.cache.bounded_reads import shard_tokens, sound_shards
+from pipeline.cache.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.sample_checks import shard_tokens
+from pipeline.cache.schema import HARD_LABEL, SOFT_LABEL, role_names
 from pipeline.target.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
 from pipeline.provenance import kernel_record
@@ -179,11 +180,11 @@ def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed:
 
     # Windows hold at most ~256 MB of raw taps (about 5,000 tokens at Qwen3.6-27B's width).
     window = max(1, (256 << 20) // (len(cap.target_layer_ids) * cap.hidden_size * 2))
-    names = ("target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp")
+    predictions = role_names(HARD_LABEL, SOFT_LABEL)  # what the tail recompute must reproduce
     for name, shard in sound_shards(reader, shards):
         batch, size = [], 0
         try:
-            for _, sid, sample in shard_tokens(shard, names, tap=k, max_tokens=window):
+            for _, sid, sample in shard_tokens(shard, predictions, tap=k, max_tokens=window):
                 if rate < 1.0 and rng.random() >= rate:
                     continue
                 sample.update(shard=name, sample_id=sid)

@@ -15,11 +15,13 @@ import numpy as np
 import torch
 import zarr
 
-from pipeline.cache.encoding import decode_bf16, decode_fp8
+from pipeline.cache.encoding import decode_hidden
+from pipeline.cache.local_copy import LocalCopies
 from pipeline.cache.location import Location, open_location
 from pipeline.cache.manifest import read_manifest
-from pipeline.cache.schema import array_specs, file_key, shard_name
+from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, array_specs, file_key, role_names, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
+from pipeline.config import parse_size
 from pipeline.errors import PipelineError
 
 
@@ -62,29 +64,28 @@ class ShardReader:
         read: a shard is untrusted input, and a declared petabyte array must not be allocated."""
         if not isinstance(samples, int) or not isinstance(tokens, int):
             raise PipelineError(f"{self.path}: the manifest has no sample/token counts for this shard")
-        for name, array in self._schema_arrays():
+        for spec, array in self._schema_arrays():
             first = array.shape[0] if array.shape else None
-            want = samples + 1 if name == "offsets" else samples if name == "sample_id" else tokens
-            if first != want:
-                raise PipelineError(f"{self.path}/{name}: declares shape {tuple(array.shape)}, but the manifest "
+            if first != spec.length(samples=samples, tokens=tokens):
+                raise PipelineError(f"{self.path}/{spec.name}: declares shape {tuple(array.shape)}, but the manifest "
                                     f"says {samples} samples and {tokens} tokens")
 
     def _schema_arrays(self):
-        """(name, array) of every array the schema defines for this format; a missing one is an error."""
+        """(spec, array) of every array the schema defines for this format; a missing one is an error."""
         for spec in array_specs(self.hidden_format):
             try:
-                yield spec.name, self.array(spec.name)
+                yield spec, self.array(spec.name)
             except KeyError:
                 raise PipelineError(f"{self.path}/{spec.name}: array missing") from None
 
     def _check_files(self, present: set[str]) -> None:
         """Every data file the arrays' shapes imply is on disk: Zarr would read a missing file as
         zeros, so a missing file is named here instead."""
-        for name, array in self._schema_arrays():
-            wanted = expected_files(array, name)
+        for spec, array in self._schema_arrays():
+            wanted = expected_files(array, spec.name)
             missing = [i for i, key in enumerate(wanted) if key not in present]
             if missing:
-                raise PipelineError(f"{self.path}/{name}: chunk file(s) {missing[:5]} missing of {len(wanted)}")
+                raise PipelineError(f"{self.path}/{spec.name}: chunk file(s) {missing[:5]} missing of {len(wanted)}")
 
     @property
     def num_samples(self) -> int:
@@ -136,23 +137,16 @@ class ShardReader:
 
     def hidden(self, sample_id: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Decoded taps [tokens, n_taps, H] (bfloat16 for bf16 caches, float32 for fp8)."""
-        bits = self.read("hidden", sample_id, start, stop)
-        if self.hidden_format == "bf16":
-            return decode_bf16(bits)
-        return decode_fp8(bits, self.read("hidden_scale", sample_id, start, stop))
+        return decode_hidden(self.hidden_format, lambda name: self.read(name, sample_id, start, stop))
 
     def hidden_range(self, a: int, b: int, tap: int) -> torch.Tensor:
         """One tap decoded to float32 [b - a, H] over token range [a, b) of the shard (the other
         taps are read but never decoded): what a check over many samples at once needs."""
-        bits = self.read_range("hidden", a, b)[:, tap]
-        if self.hidden_format == "bf16":
-            return decode_bf16(bits).float()
-        return decode_fp8(bits, self.read_range("hidden_scale", a, b)[:, tap])
+        return decode_hidden(self.hidden_format, lambda name: self.read_range(name, a, b)[:, tap]).float()
 
     def sample(self, sample_id: int) -> dict:
         """Every array of one sample, hidden states decoded."""
-        names = ["input_ids", "loss_mask", "target_argmax", "target_topk_ids", "target_topk_logits", "target_logsumexp"]
-        out = {name: self.read(name, sample_id) for name in names}
+        out = {name: self.read(name, sample_id) for name in role_names(SAMPLE_TOKENS, HARD_LABEL, SOFT_LABEL)}
         out["hidden"] = self.hidden(sample_id)
         return out
 
@@ -211,3 +205,16 @@ class CacheReader:
         for name in self.shards:
             ids += [int(s) for s in self.shard(name).sample_ids]
         return sorted(ids)
+
+
+def open_cache(cache: str | Path, local: str | Path | None = None, local_size: str | int | None = None) -> CacheReader:
+    """A reader of the cache at `cache`, once its location is known to be reachable (so an
+    unreachable one is named as such, not as a cache without a manifest); a remote cache read
+    through bounded local copies in `local` (of at most `local_size`) with --cache-local."""
+    location = open_location(cache)
+    location.check_reachable()
+    if local is None:
+        return CacheReader(location)
+    if not location.remote:
+        raise PipelineError(f"--cache-local: {cache} is already on this machine's filesystem")
+    return CacheReader(LocalCopies(location, Path(local), parse_size(local_size)))

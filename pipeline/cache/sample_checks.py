@@ -10,25 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.cache.checks import WINDOW_TOKENS, Check, SampleList, sample_windows, sound_shards
+from pipeline.cache.bounded_reads import shard_tokens, sound_shards
+from pipeline.cache.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
 from pipeline.data.conversations import index_rows, iter_rows
 from pipeline.data.loss_mask import ConversationMasker, mask_violations, newline_tokens
+from pipeline.data.samples import row_tokens
 from pipeline.errors import PipelineError
 from pipeline.provenance import sha256_file
-
-def shard_tokens(shard, names=("input_ids", "loss_mask"), *, tap: int | None = None, max_tokens: int | None = None):
-    """Per sample of a shard: (row, sample id, {name: array}), read in windows of whole samples
-    (a handful of reads per window, not per sample). With `tap`, also "tap": that tap's hidden
-    states decoded to float32 (the other taps are not decoded)."""
-    for lo, hi in sample_windows(shard.offsets, max_tokens or WINDOW_TOKENS):
-        a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
-        arrays = {name: shard.read_range(name, a, b) for name in names}
-        if tap is not None:
-            arrays["tap"] = shard.hidden_range(a, b, tap)
-        for row in range(lo, hi):
-            s, e = int(shard.offsets[row]) - a, int(shard.offsets[row + 1]) - a
-            yield row, int(shard.sample_ids[row]), {name: arr[s:e] for name, arr in arrays.items()}
 
 
 def check_loss_masks(reader: CacheReader, shards: list[str], tokenizer) -> Check:
@@ -55,15 +44,12 @@ def check_loss_masks(reader: CacheReader, shards: list[str], tokenizer) -> Check
                 if row is None:
                     mismatched.add(name, sid, "row not readable in the dataset")
                     continue
-                if row.messages is not None:
-                    try:
-                        t = masker(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
-                    except PipelineError as e:
-                        mismatched.add(name, sid, f"cannot be re-derived ({e})")
-                        continue
-                    ids, mask = t.input_ids[:max_length], t.loss_mask[:max_length]
-                else:
-                    ids, mask = row.input_ids[:max_length], row.loss_mask[:max_length]
+                try:
+                    ids, mask, _ = row_tokens(row, masker)  # extract's own rule (pipeline/data/samples.py)
+                except PipelineError as e:
+                    mismatched.add(name, sid, f"cannot be re-derived ({e})")
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
                 if stored["input_ids"].tolist() != ids:
                     mismatched.add(name, sid, f"{row.where}: input_ids differ from re-tokenization")
                 elif (stored_mask := stored["loss_mask"].tolist()) != mask:

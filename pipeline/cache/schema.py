@@ -20,6 +20,9 @@ Schema 2 (this one) stores each per-token array with Zarr v3's sharding codec: a
 positions i..j decodes only the inner chunks that overlap, while a billion tokens at the
 flagship width are about 7e4 files instead of 1.6e7 (schema 1: one file per chunk, nested
 `c/<i>/0/0` directories). Per-sample arrays are one plain chunk each.
+
+Each array is declared once, below (`ArraySpec`: name, stored dtype, shape, role): the writer,
+the reader, row encoding, the checks and the training stream all take their arrays from here.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ MAX_HIDDEN = 65_536
 MAX_TOP_K = 1_024
 MAX_VOCAB = 2**24
 
-HIDDEN_FORMATS = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 DIGESTS = "digests.json"
@@ -63,6 +65,15 @@ def shard_lock_name(index: int) -> str:
     return f".{shard_name(index)}.lock"
 
 
+# What each array is for. Code that wants every array of a kind (what a training step reads,
+# the predictions a check compares) asks for its role, so an array added below reaches it.
+SAMPLE_TOKENS = "sample_tokens"   # the conversation itself: token ids and the loss mask
+HARD_LABEL = "hard_label"         # the target's argmax: the label of the cross-entropy loss
+SOFT_LABEL = "soft_label"         # the rest of the target's prediction, for the KL loss
+HIDDEN_STATE = "hidden_state"     # the tap outputs, stored in the cache's hidden format
+SAMPLE_INDEX = "sample_index"     # per sample: where its tokens are, and which dataset row it is
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArraySpec:
     name: str
@@ -70,32 +81,71 @@ class ArraySpec:
     inner: tuple[str, ...]     # symbolic inner dims after the leading token/sample dim
     per: str                   # "token" or "sample"
     logical: str               # what the stored values mean
+    role: str                  # one of the roles above
+    fencepost: bool = False    # one entry more than there are samples (offsets: a start and an end)
+
+    def length(self, *, samples: int, tokens: int) -> int:
+        """Entries along the leading dimension in a shard of this many samples and tokens."""
+        return tokens if self.per == "token" else samples + self.fencepost
+
+    def shape(self, dims: dict[str, int], *, samples: int, tokens: int) -> tuple[int, ...]:
+        return (self.length(samples=samples, tokens=tokens), *inner_shape(self, dims))
+
+
+# The arrays every cache has, whatever its hidden format (in the order a shard creates them).
+_SHARED_SPECS = (
+    ArraySpec(name="input_ids", dtype="int32", inner=(), per="token", logical="token id", role=SAMPLE_TOKENS),
+    ArraySpec(name="loss_mask", dtype="uint8", inner=(), per="token", logical="1 = supervised (DESIGN 3.5)",
+              role=SAMPLE_TOKENS),
+    ArraySpec(name="target_argmax", dtype="int32", inner=(), per="token",
+              logical="target's argmax prediction of the NEXT token, from its output logits at this position",
+              role=HARD_LABEL),
+    ArraySpec(name="target_topk_ids", dtype="int32", inner=("top_k",), per="token", logical="top-k ids, logits descending",
+              role=SOFT_LABEL),
+    ArraySpec(name="target_topk_logits", dtype="float32", inner=("top_k",), per="token",
+              logical="top-k logits, descending", role=SOFT_LABEL),
+    ArraySpec(name="target_logsumexp", dtype="float32", inner=(), per="token",
+              logical="full-vocabulary logsumexp of the logits", role=SOFT_LABEL),
+    ArraySpec(name="offsets", dtype="int64", inner=(), per="sample", logical="sample s = tokens offsets[s]:offsets[s+1]",
+              role=SAMPLE_INDEX, fencepost=True),
+    ArraySpec(name="sample_id", dtype="int64", inner=(), per="sample", logical="row index of the sample in the dataset",
+              role=SAMPLE_INDEX),
+)
+
+# The arrays that hold the tap outputs, by hidden format (pipeline/cache/encoding.py writes them).
+_HIDDEN_SPECS = {
+    "bf16": (
+        ArraySpec(name="hidden", dtype="uint16", inner=("n_taps", "hidden_size"), per="token",
+                  logical="bfloat16 bit pattern of tap outputs", role=HIDDEN_STATE),
+    ),
+    "fp8": (
+        ArraySpec(name="hidden", dtype="uint8", inner=("n_taps", "hidden_size"), per="token",
+                  logical="float8_e4m3fn bit pattern; value = fp8 * hidden_scale", role=HIDDEN_STATE),
+        ArraySpec(name="hidden_scale", dtype="float32", inner=("n_taps",), per="token",
+                  logical="per-token, per-tap scale of the fp8 hidden states", role=HIDDEN_STATE),
+    ),
+}
+HIDDEN_FORMATS = tuple(_HIDDEN_SPECS)
 
 
 def array_specs(hidden_format: str) -> list[ArraySpec]:
     """Every array a shard holds, for the given hidden-state format."""
     if hidden_format not in HIDDEN_FORMATS:
         raise ValueError(f"hidden_format must be one of {HIDDEN_FORMATS}, got {hidden_format!r}")
-    specs = [
-        ArraySpec(name="input_ids", dtype="int32", inner=(), per="token", logical="token id"),
-        ArraySpec(name="loss_mask", dtype="uint8", inner=(), per="token", logical="1 = supervised (DESIGN 3.5)"),
-        ArraySpec(name="target_argmax", dtype="int32", inner=(), per="token",
-                  logical="target's argmax prediction of the NEXT token, from its output logits at this position"),
-        ArraySpec(name="target_topk_ids", dtype="int32", inner=("top_k",), per="token", logical="top-k ids, logits descending"),
-        ArraySpec(name="target_topk_logits", dtype="float32", inner=("top_k",), per="token", logical="top-k logits, descending"),
-        ArraySpec(name="target_logsumexp", dtype="float32", inner=(), per="token", logical="full-vocabulary logsumexp of the logits"),
-        ArraySpec(name="offsets", dtype="int64", inner=(), per="sample", logical="sample s = tokens offsets[s]:offsets[s+1]"),
-        ArraySpec(name="sample_id", dtype="int64", inner=(), per="sample", logical="row index of the sample in the dataset"),
-    ]
-    if hidden_format == "bf16":
-        specs.append(ArraySpec(name="hidden", dtype="uint16", inner=("n_taps", "hidden_size"), per="token",
-                               logical="bfloat16 bit pattern of tap outputs"))
-    else:
-        specs.append(ArraySpec(name="hidden", dtype="uint8", inner=("n_taps", "hidden_size"), per="token",
-                               logical="float8_e4m3fn bit pattern; value = fp8 * hidden_scale"))
-        specs.append(ArraySpec(name="hidden_scale", dtype="float32", inner=("n_taps",), per="token",
-                               logical="per-token, per-tap scale of the fp8 hidden states"))
-    return specs
+    return [*_SHARED_SPECS, *_HIDDEN_SPECS[hidden_format]]
+
+
+def token_specs(hidden_format: str) -> list[ArraySpec]:
+    """The per-token arrays: one row per token of every sample (what the writer appends)."""
+    return [spec for spec in array_specs(hidden_format) if spec.per == "token"]
+
+
+def role_names(*roles: str) -> tuple[str, ...]:
+    """Names of the arrays with these roles, in schema order. The hidden-state arrays depend on
+    the format, so they are not asked for here (see array_specs and encoding.decode_hidden)."""
+    if HIDDEN_STATE in roles:
+        raise ValueError("the hidden-state arrays depend on the hidden format: use array_specs(hidden_format)")
+    return tuple(spec.name for spec in _SHARED_SPECS if spec.role in roles)
 
 
 def inner_shape(spec: ArraySpec, dims: dict[str, int]) -> tuple[int, ...]:
@@ -148,16 +198,16 @@ class Chunking:
     def geometry(self, hidden_format: str, dims: dict[str, int]) -> dict:
         """What the options give at these dimensions, per token array, and the writer's memory."""
         arrays = {spec.name: {"chunk_tokens": self.chunk_tokens(spec, dims), "file_tokens": self.file_tokens(spec, dims)}
-                  for spec in array_specs(hidden_format) if spec.per == "token"}
+                  for spec in token_specs(hidden_format)}
         return {"arrays": arrays, "writer_buffer_bytes": self.writer_buffer_bytes(hidden_format, dims)}
 
     def writer_buffer_bytes(self, hidden_format: str, dims: dict[str, int]) -> int:
         """Raw bytes a shard writer holds at most: one file of every token array."""
-        return sum(self.file_tokens(s, dims) * token_bytes(s, dims) for s in array_specs(hidden_format) if s.per == "token")
+        return sum(self.file_tokens(s, dims) * token_bytes(s, dims) for s in token_specs(hidden_format))
 
     def files(self, hidden_format: str, dims: dict[str, int], tokens: int) -> int:
         """Data files of one shard of `tokens` tokens (add PER_SHARD_FILES for metadata)."""
-        return sum(-(-tokens // self.file_tokens(s, dims)) for s in array_specs(hidden_format) if s.per == "token") \
+        return sum(-(-tokens // self.file_tokens(s, dims)) for s in token_specs(hidden_format)) \
             + sum(1 for s in array_specs(hidden_format) if s.per == "sample")
 
 

@@ -149,9 +149,11 @@ class ShardWriter:
         for name in self.token_arrays:
             self._write_file(name)
         self.buffers.clear()
-        for name, values in (("offsets", self.offsets), ("sample_id", self.sample_ids)):
-            spec = self.specs[name]
-            self._create(spec, (len(values),), chunks=(len(values),))[:] = np.asarray(values, dtype=spec.dtype)
+        per_sample = {"offsets": self.offsets, "sample_id": self.sample_ids}
+        for spec in self.specs.values():
+            if spec.per == "sample":
+                values = per_sample[spec.name]
+                self._create(spec, (len(values),), chunks=(len(values),))[:] = np.asarray(values, dtype=spec.dtype)
         record = {
             "samples": len(self.sample_ids),
             "tokens": self.offsets[-1],

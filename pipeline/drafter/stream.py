@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.cache.reader import CacheReader
+from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, role_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,8 +100,8 @@ class SampleStream:
     `workers` loader processes (no GIL contention with the training loop). The order is the same
     either way: worker w reads every k-th position and the loader interleaves them back."""
 
-    FIELDS = ("input_ids", "loss_mask", "target_argmax")
-    SOFT_FIELDS = ("target_topk_ids", "target_topk_logits", "target_logsumexp")
+    FIELDS = role_names(SAMPLE_TOKENS, HARD_LABEL)  # what every training step reads
+    SOFT_FIELDS = role_names(SOFT_LABEL)            # added for the KL loss
 
     def __init__(self, reader: CacheReader, *, seed: int, state: StreamState, rank: int = 0, world_size: int = 1,
                  prefetch: int = 8, fields: tuple[str, ...] = FIELDS, transform=None, workers: int = 0,
