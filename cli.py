@@ -19,12 +19,11 @@ from pipeline.threads import apply_threads
 from pipeline.ui import ProgressBar, TrainView, error, print_sample, warning
 from pipeline.ui.summaries import (show_demo, show_demo_step, show_eval, show_extract, show_generate, show_report,
                                    show_report_redraw, show_target_info, show_train, show_verify)
-from stages.demo import run_demo
 from stages.report import follow_report, run_report
 
 # The other stages import torch at import time (a second or more), so each command imports its own
 # stage when it runs: `pipeline --help` and a mistyped option answer at once. Nothing imported above
-# pulls in torch (stages.demo and stages.report load the heavy parts inside their functions).
+# pulls in torch (tests/test_layers.py checks it).
 
 # Nothing in this tool downloads at run time: targets, tokenizers and data are local paths.
 # Set before anything imports huggingface_hub (through transformers), which reads it once, at import.
@@ -326,6 +325,8 @@ def demo(
 ) -> None:
     """The whole pipeline on the embedded tiny target: extract, verify, train, speculative-decoding
     eval, report. About 5 minutes on 2 CPU cores; re-running resumes."""
+    from stages.demo import run_demo  # heavy: imports torch; keeps `pipeline --help` fast
+
     summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to, block_size=block_size,
                        say=show_demo_step)
     show_demo(summary, json_out)

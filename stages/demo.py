@@ -14,6 +14,15 @@ from pathlib import Path
 from pipeline.cache.files import write_json_atomic
 from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
+from pipeline.drafter.blocks import default_gamma
+from pipeline.embedded import TRAIN_DATA
+from pipeline.ui import ProgressBar, TrainView
+# `pipeline demo` composes the other stages through their entry points (the one stage that may).
+from stages.eval import run_eval
+from stages.extract import run_extract
+from stages.report import run_report
+from stages.train import resolve_config, run_train
+from stages.verify import run_verify
 
 FULL = {"conversations": None, "shards": 8, "max_steps": None, "prompts": None, "budgets": [16, 64]}
 QUICK = {"conversations": 160, "shards": 2, "max_steps": 40, "prompts": 6, "budgets": [4]}
@@ -21,14 +30,6 @@ QUICK = {"conversations": 160, "shards": 2, "max_steps": 40, "prompts": 6, "budg
 
 def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report_to: str | None = None,
              block_size: int | None = None) -> dict:
-    from pipeline.drafter.blocks import default_gamma
-    from pipeline.embedded import TRAIN_DATA
-    from stages.eval import run_eval
-    from stages.extract import run_extract
-    from stages.report import run_report
-    from stages.train import resolve_config, run_train
-    from stages.verify import run_verify
-
     plan = QUICK if quick else FULL
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,14 +62,12 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
                  # the preset's gamma is its block 8's: another block size takes DESIGN's gamma for it
                  "gamma": default_gamma(block_size) if block_size else None}
     cfg, preset_target = resolve_config(None, overrides)
-    from pipeline.ui import TrainView
     trained = run_train(cfg, preset_target=preset_target, view=TrainView(progress), warn=say)
     timings["train_s"] = time.perf_counter() - start
 
     say(f"[4/5] eval: speculative decoding on {plan['prompts'] or 200} held-out prompts (block, DDTree "
         f"{', '.join(map(str, plan['budgets']))})")
     start = time.perf_counter()
-    from pipeline.ui import ProgressBar
     with ProgressBar("eval", "prompts", total=plan["prompts"] or 200, enabled=progress) as bar:
         evaluated = run_eval(out / "run", target=None, prompts=None, max_new_tokens=96, block_size=None,
                              tree_budgets=plan["budgets"], tree_top_k=8, limit=plan["prompts"], progress=bar.advance)

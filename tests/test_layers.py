@@ -64,3 +64,14 @@ def test_the_rule_catches_what_it_forbids(tmp_path):
     assert ("stages.train", ["frozen_target_modules"]) in seen
     assert ("stages.eval", []) in seen
     assert ("cli", []) in seen
+
+
+def test_the_cli_imports_without_torch():
+    """`pipeline --help` and a mistyped option answer at once: importing the CLI loads no stage
+    that imports torch (each command imports its own stage when it runs)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -60,6 +60,10 @@ class Capture:
 
     @torch.no_grad()
     def __call__(self, batch: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        """Per sample: "hidden" [tokens, taps, H] (the tapped outputs, in the compute dtype, before
+        encoding) and the target's predictions under their cache array names (the schema's
+        hard- and soft-label arrays); pipeline.cache.encoding.encode_rows casts them to the stored
+        dtypes and refuses a sample that lacks an array the schema declares."""
         width = max(len(ids) for ids in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         for row, sample in enumerate(batch):

@@ -92,7 +92,7 @@ def config_sha256(path: Path) -> str | None:
 
 def identity_claims(target_dir: Path, *, tokenizer=None, weights: bool = False, config: bool = True) -> dict:
     """What a target directory says about the cache identity fields it decides (dotted paths of
-    `pipeline.cache.manifest.Identity`): compared with a cache to prove it is the target the cache
+    `pipeline.cache.identity.Identity`): compared with a cache to prove it is the target the cache
     was extracted with. `weights` hashes the weight files (or their headers, when large); `config`
     False leaves config.json's digest out (training needs the same weights, not the same bytes)."""
     from pipeline.provenance import tokenizer_digest, weight_digests  # heavy: imports torch
