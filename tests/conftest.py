@@ -56,3 +56,20 @@ def trained_run(tmp_path_factory, train_rows):
                                                "log_every": 10})
     run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
     return {"run": root / "run", "cache": cache}
+
+
+@pytest.fixture(scope="session")
+def twelve_rows_cache(tmp_path_factory, train_rows):
+    """The first 12 training conversations and their cache in 3 shards of small batches (256
+    tokens): the reference that the fault and object-store tests compare their caches with.
+    {"data": the JSONL, "cache": the cache directory}. Tests must not write into either."""
+    from extract_helpers import write_rows
+    from pipeline.config import ExtractConfig
+    from stages.extract import run_extract
+
+    root = tmp_path_factory.mktemp("twelve")
+    data = write_rows(root / "convs.jsonl", train_rows[:12])
+    cache = root / "reference" / "cache"
+    run_extract(ExtractConfig(cache=str(cache), data=[str(data)], num_shards=3, batch_tokens=256), None,
+                progress=False)
+    return {"data": data, "cache": cache}

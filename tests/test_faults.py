@@ -10,9 +10,7 @@ import sys
 import pytest
 
 from extract_helpers import (REPO, assert_same_content, cli, file_size_limit, in_namespace, manifest_json, needs_tmpfs,
-                             shard_digest, write_rows)
-from pipeline.config import ExtractConfig
-from stages.extract import run_extract
+                             shard_digest)
 from stages.verify import run_verify
 
 SHARDS, BATCH_TOKENS = 3, 256
@@ -20,16 +18,15 @@ PHASES = {"extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", 
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory, train_rows):
-    return write_rows(tmp_path_factory.mktemp("faults") / "convs.jsonl", train_rows[:12])
+def data(twelve_rows_cache):
+    return twelve_rows_cache["data"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data):
-    cache = tmp_path_factory.mktemp("reference") / "cache"
-    run_extract(ExtractConfig(cache=str(cache), data=[str(data)], num_shards=SHARDS, batch_tokens=BATCH_TOKENS), None,
-                progress=False)
-    return cache
+def reference(twelve_rows_cache):
+    """The conftest's cache of these rows: SHARDS shards of BATCH_TOKENS-token batches."""
+    assert (SHARDS, BATCH_TOKENS) == (3, 256)  # what the shared cache was extracted with
+    return twelve_rows_cache["cache"]
 
 
 def extract_args(cache, data):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, manifest_json, write_rows
+from extract_helpers import REPO, assert_same_content, manifest_json
 from s3_helpers import KEY_ID, SECRET, MotoServer, Outage, download, needs_s3, objects
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
@@ -42,16 +42,15 @@ def s3_env(server, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory, train_rows):
-    return write_rows(tmp_path_factory.mktemp("s3") / "convs.jsonl", train_rows[:12])
+def data(twelve_rows_cache):
+    return twelve_rows_cache["data"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data):
-    cache = tmp_path_factory.mktemp("s3-reference") / "cache"
-    run_extract(ExtractConfig(cache=str(cache), data=[str(data)], num_shards=SHARDS, batch_tokens=BATCH_TOKENS), None,
-                progress=False)
-    return cache
+def reference(twelve_rows_cache):
+    """The conftest's cache of these rows: SHARDS shards of BATCH_TOKENS-token batches."""
+    assert (SHARDS, BATCH_TOKENS) == (3, 256)  # what the shared cache was extracted with
+    return twelve_rows_cache["cache"]
 
 
 def extract_cfg(cache: str, data, **kwargs) -> ExtractConfig:

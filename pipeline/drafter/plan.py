@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
@@ -42,6 +41,9 @@ def make_optimizer(params: list, cfg: TrainConfig, world: int) -> torch.optim.Op
     options = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
     if world == 1:
         return torch.optim.AdamW(params, **options)
+    # Imported here: torch.distributed.optim scripts its functional optimizers with torch.jit at
+    # import (about a second and a warning each); only a run of several ranks needs it.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **options)
 
 
