@@ -4,7 +4,7 @@ anchors.
 
     PEERS_PY benchmarks/peers_step.py [--config small|h512|h1024|w5120] [--rounds 3] [--layers N]
                                       [--peers speculators,specforge|none] [--before REV]
-                                      [--set FIELD=N ...]
+                                      [--set FIELD=N ...] [--floor]
                                       [--profile] [--json]
 
 (default: h1024, 3 rounds, about 5 minutes on 2 cores; `--config small` about 30 s)
@@ -65,7 +65,9 @@ process's CPU time, steadier on a shared machine where OpenMP's spinning threads
 it); the headline ratio (the median) is printed only when the rounds agree within 25%, else the
 output says the rounds disagree and prints no ratio. `--before REV` adds ours with
 `split_block_attention` taken from git revision REV (its gradients checked against ours too), so
-an attention change is measured before and after in the same run. `--profile` adds a breakdown of our step (forward
+an attention change is measured before and after in the same run. `--floor` adds the step's
+unavoidable matrix multiplies alone (`GemmFloor`, a lower bound on any implementation's step)
+to the rounds and each implementation's time over it. `--profile` adds a breakdown of our step (forward
 modules, the loss (whose gradient may be taken in its forward), backward, kernel time and page
 faults) and the top operators by self CPU time.
 """

@@ -14,6 +14,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32.
     A bare `cuda` is this process's GPU (LOCAL_RANK under torchrun)."""
+    if dtype not in ("auto", *DTYPES):
+        raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -26,10 +28,10 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
         raise PipelineError(f"--device {device}: no CUDA device is available here")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", local_rank())
+    if resolved.type == "cuda" and resolved.index >= torch.cuda.device_count():
+        raise PipelineError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if dtype == "auto":
         return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
     return resolved, DTYPES[dtype]
 
 

@@ -20,7 +20,8 @@ from pipeline.target.taps import default_taps
 def target_summary(target_dir: Path, *, heldout: Path | None = None, build_report: Path | None = None,
                    num_check: int = 16, num_taps: int = 3) -> dict:
     facts = read_target_facts(target_dir)
-    model, tokenizer = load_model(target_dir), load_tokenizer(target_dir)
+    tokenizer = load_tokenizer(target_dir)  # a directory without tokenizer files fails before the weights load
+    model = load_model(target_dir)
     mask_token = "<|MASK|>"
     summary = {
         "target_dir": str(target_dir),

@@ -4,8 +4,9 @@ The target's weights are read only for the frozen embedding and lm_head. One opt
 takes `batch_sequences` samples in the epoch order of `pipeline.drafter.stream` (a pure function
 of the shards, seed and epoch); rank r of W reads positions r, r+W, ..., so the same global
 batch forms whatever W is; `pipeline.drafter.step` runs each step (global loss normalisation,
-micro-batches, DDP). This module resolves the configuration and runs the loop, logs and
-checkpoints.
+micro-batches, DDP). This module resolves the configuration, builds the drafter and its optimizer
+from the cache and the target, and hands them to the loop (pipeline/drafter/loop.py), which logs
+(train_log.py) and checkpoints (checkpoint.py).
 
 Resume is exact: a checkpoint holds the drafter, optimizer, RNG and the data position (epoch,
 position); anchors come from (seed, epoch, sample id) and noise from (seed, step, sample id), so

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Re-exported: stages, the export, benchmarks and tests import the config from this module.
+# Re-exported: benchmarks and tests import the config from this module (the library imports
+# pipeline.drafter.config).
 from pipeline.drafter.config import FULL, SLIDING, DrafterConfig  # noqa: F401
 
 

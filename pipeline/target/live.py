@@ -4,8 +4,8 @@ Gated DeltaNet layers keep a recurrent state that only moves forward: after veri
 tokens, cropping the KV cache of the attention layers does not bring the recurrent state back
 to the last accepted token. So a block verification (`verify`, `verify_rows`) records what a
 rollback needs: transformers' cache keeps the conv inputs of every verified position
-(`activate_past_recording`), and the gated delta rule's state after each verified position is
-kept (the chunked rule gives only the last; `_recording_states` runs the single-step rule over
+(`internals.start_recording`), and the gated delta rule's state after each verified position is
+kept (the chunked rule gives only the last; `tree_internals.recording_states` runs the single-step rule over
 the few verified tokens instead). `commit`
 then crops the cache to the accepted tokens and sets each recurrent state to the one after the
 last accepted token: no second target pass (tested against re-running the accepted tokens on
@@ -13,14 +13,14 @@ the committed state, which is what decoding did before).
 
 A draft tree is verified in one pass over its nodes (`verify_tree`): the attention layers take
 an ancestor mask over the committed cache plus the tree, and the Gated DeltaNet layers run as a
-tree (`_tree_rules`: each node's conv window is its ancestors' inputs, its recurrent state is
+tree (`tree_internals.tree_rules`: each node's conv window is its ancestors' inputs, its recurrent state is
 stepped from its parent's). `commit_path` keeps the accepted path's keys/values, conv inputs
 and last recurrent state. Tested against `verify_rows` over the tree's root-to-leaf paths.
 
-This module is where the speculative decoder touches transformers' internals (the cache's layers
-and their states, the qwen3_5 modeling module's conv and gated delta rule functions, the
-attention mask the forward takes per layer kind); tests/test_transformers_internals.py names
-each one.
+The speculative decoder touches transformers' internals (the cache's layers and their states,
+the qwen3_5 modeling module's conv and gated delta rule functions, the attention mask the forward
+takes per layer kind) only through internals.py and tree_internals.py beside this module;
+tests/test_transformers_internals.py names each one.
 """
 
 from __future__ import annotations
