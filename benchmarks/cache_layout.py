@@ -19,7 +19,7 @@ and the current one; it uses only the ShardWriter / CacheReader API both have.
    reader that returns new arrays must) and a memory copy of the same bytes (the ceiling).
    glibc returns a freed buffer this large to the OS and page-faults the next one in; run with
    MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483647, or with --as-train
-   (what `pipeline train` does in-process: pipeline.cache.sharded.keep_sample_buffers_mapped), to
+   (what `pipeline train` does in-process: pipeline.allocator.keep_freed_buffers_mapped), to
    keep them mapped.
 """
 
@@ -259,14 +259,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="commit repeats; read rounds are 2 x this + 1 (default %(default)s)")
     parser.add_argument("--as-train", action="store_true",
-                        help="read as `pipeline train` does: keep_sample_buffers_mapped() first (schema 2 tree only)")
+                        help="read as `pipeline train` does: keep_freed_buffers_mapped() first (schema 2 tree only)")
     args = parser.parse_args()
     if args.repeats < 1:  # the medians need one measurement at least
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(1)
     if args.as_train:
-        from pipeline.cache.sharded import keep_sample_buffers_mapped
-        print(f"keep_sample_buffers_mapped: {keep_sample_buffers_mapped()}", file=sys.stderr)
+        from pipeline.allocator import keep_freed_buffers_mapped
+        print(f"keep_freed_buffers_mapped: {keep_freed_buffers_mapped()}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="dflash-layout-") as tmp:
         root = Path(tmp)
         result = {"tree": TREE, "files": measure_files(root)}

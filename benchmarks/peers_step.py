@@ -4,7 +4,7 @@ anchors.
 
     PEERS_PY benchmarks/peers_step.py [--config small|h512|h1024|w5120] [--rounds 3] [--layers N]
                                       [--peers speculators,specforge|none] [--before REV]
-                                      [--set FIELD=N ...] [--floor]
+                                      [--set FIELD=N ...] [--floor] [--trainer-allocator]
                                       [--profile] [--json]
 
 (default: h1024, 3 rounds, about 5 minutes on 2 cores; `--config small` about 30 s)
@@ -67,7 +67,10 @@ output says the rounds disagree and prints no ratio. `--before REV` adds ours wi
 `split_block_attention` taken from git revision REV (its gradients checked against ours too), so
 an attention change is measured before and after in the same run. `--floor` adds the step's
 unavoidable matrix multiplies alone (`GemmFloor`, a lower bound on any implementation's step)
-to the rounds and each implementation's time over it. `--profile` adds a breakdown of our step (forward
+to the rounds and each implementation's time over it. `--trainer-allocator` runs the whole
+process with `pipeline train`'s allocator setting (freed large buffers stay mapped, so a step
+does not page-fault its activations and gradients in afresh); every implementation gets it.
+`--profile` adds a breakdown of our step (forward
 modules, the loss (whose gradient may be taken in its forward), backward, kernel time and page
 faults) and the top operators by self CPU time.
 """
@@ -88,6 +91,7 @@ import torch
 from torch import nn
 
 from peers_impls import CONFIGS, GemmFloor, Ours, OursAt, SpecForge, Speculators, build_batch, build_ours  # puts the repo on sys.path
+from pipeline.allocator import keep_freed_buffers_mapped
 from pipeline.drafter.batch import final_hidden
 from pipeline.drafter.loss import supervised_loss
 
@@ -253,6 +257,10 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also time the step's unavoidable matrix multiplies alone (GemmFloor): the most any "
                              "implementation could lead each peer by")
+    parser.add_argument("--trainer-allocator", action="store_true",
+                        help="give this process the allocator setting `pipeline train` runs with (glibc keeps freed "
+                             "buffers instead of unmapping them: keep_freed_buffers_mapped); it applies to every "
+                             "implementation timed here")
     parser.add_argument("--profile", action="store_true", help="also break our step down (a few extra steps)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON, not as key: value lines")
     args = parser.parse_args()
@@ -268,6 +276,11 @@ def main() -> None:
         parser.error(f"--peers: unknown {sorted(set(peers) - known)}; choose from {sorted(known)} or 'none'")
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = "default"
+    if args.trainer_allocator:
+        if not keep_freed_buffers_mapped():
+            parser.error("--trainer-allocator: not applied (not glibc, or MALLOC_MMAP_THRESHOLD_ is set)")
+        allocator = "trainer's: glibc keeps freed buffers (M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB)"
     g = CONFIGS[args.config]
     if args.layers:
         g.layers = args.layers
@@ -319,7 +332,7 @@ def main() -> None:
     ratios_cpu = per_round({k: v for k, v in cpu.items() if k != GemmFloor.name}, "ours")
 
     result = {
-        "config": args.config, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "config": args.config, "threads": torch.get_num_threads(), "torch": torch.__version__, "allocator": allocator,
         "geometry": vars(g), "queries": g.anchors * g.block, "rounds": args.rounds,
         "ours_loss": ours_loss,
         "paths": {impl.name: impl.attention for impl in impls},

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from manifests import load_preset
+from pipeline.allocator import keep_freed_buffers_mapped
 from pipeline.cache.files import write_json_atomic
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
-from pipeline.cache.sharded import keep_sample_buffers_mapped
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.devices import resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
@@ -71,7 +71,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     if hazard and rank == 0 and first_launch():
         warn(hazard)
     device, _ = resolve_device("auto", "auto")
-    keep_sample_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
+    keep_freed_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
     reader = open_cache(cfg.cache, cfg.cache_local, cfg.cache_local_size)
     manifest = reader.manifest
     target_dir = resolve_target(cfg.target, manifest.recorded_target())
