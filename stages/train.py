@@ -28,7 +28,7 @@ from pipeline.cache.files import write_json_atomic
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
 from pipeline.config import TrainConfig, load_config, read_config_file
-from pipeline.devices import resolve_device
+from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
 from pipeline.drafter.blocks import default_gamma
 from pipeline.drafter.checkpoint import cache_identity, resume_position
@@ -116,7 +116,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             "target_weights": manifest.identity.target.weights,   # the weights whose predictions the drafter learns
             "cache": reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
             "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
-            "frozen_dtype": str(frozen_dtype).removeprefix("torch."), "loss_path": LOSS_PATH,
+            "frozen_dtype": dtype_name(frozen_dtype), "loss_path": LOSS_PATH,
             "attention_path": path,
             "optimizer": describe_optimizer(world),
             "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),

@@ -184,7 +184,6 @@ def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, id
                       device):
     """Rank 0 writes the checkpoint (the optimizer state consolidated to it first); every rank
     learns whether that failed."""
-    # The position is normalised to the start of the next epoch when this one is used up.
     failure = None
     if world > 1:
         optimizer.consolidate_state_dict(to=0)  # a collective: rank 0 then holds the whole state

@@ -4,6 +4,7 @@ are imported inside the functions (heavy: `pipeline --help` and fact reading sta
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -71,8 +72,6 @@ def frozen_target_modules(target_dir: Path, dtype=None):
     frozen, in `dtype` (float32 unless told) once: the compute dtype, since bf16 halves their 5 GB
     each at the flagship vocabulary and nothing casts them per step. A checkpoint without an
     lm_head weight has it tied to the embedding."""
-    import json
-
     import torch
     from safetensors import safe_open
 
