@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.cache.reader import open_cache
 from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
@@ -45,6 +46,9 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         raise PipelineError("--batch-size > 1 verifies each prompt's tree in one pass over its nodes: use --tree-verify tree")
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
+    # Opened first: a cache that cannot be used (shards of another identity among them) is one
+    # line before any decoding, not after it.
+    cache_reader = open_cache(cache) if cache is not None else None
     report_to = parse_report_to(report_to)
     for name in report_to:  # a missing extra or a drafter without its run: one line before any decoding
         tracker_class(name).check_installed()
@@ -91,8 +95,8 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         tree_top_k=tree_top_k, tree_verify=tree_verify, batch_size=batch_size, progress=progress)
     greedy_tokens = sum(len(r.tokens) for r in reference)
     extra = {}
-    if cache is not None:
-        extra["teacher_forced"] = teacher_forced(drafter, cache, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    if cache_reader is not None:
+        extra["teacher_forced"] = teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
     result = {**extra,
         "drafter": str(drafter_dir), "target": str(target_dir),
         "target_differs_from_training": mismatch,     # None: the same config and weights as the run recorded

@@ -18,6 +18,8 @@ from pipeline.cache.claim import claim_shard, refuse_foreign_content
 from pipeline.cache.extract_record import cache_dims, chunking, identity_record
 from pipeline.cache.location import LocalLocation, open_location
 from pipeline.cache.manifest import SourcesRecord, create_manifest, new_manifest
+from pipeline.cache.schema import MANIFEST
+from pipeline.cache.store_probe import check_create_if_absent
 from pipeline.cache.shard_run import ShardRun
 from pipeline.config import ExtractConfig
 from pipeline.data.conversations import resolve_data
@@ -38,9 +40,11 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     start = time.perf_counter()
     layout = init_layout(cfg.tp)
     location = open_location(cfg.cache)
+    probe = None
     if layout.is_writer:  # a bad location fails here, before any data is read or a model loaded
         location.ensure_root()
         refuse_foreign_content(location)
+        probe = check_create_if_absent(location)  # the commit protocol's one primitive, or no cache
     target_dir = resolve_target(cfg.target)
     facts = read_target_facts(target_dir)
     taps = list(cfg.layers) if cfg.layers is not None else taps_for(cfg.target, facts.num_hidden_layers)
@@ -69,14 +73,19 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         manifest, created = create_manifest(location, new_manifest(
             identity=identity, provenance=environment(), plan=plan, resolved_config=asdict(cfg),
             sources=SourcesRecord(target=str(target_dir), data=[str(p) for p in paths])))
-        conflicts = [] if created else [d.arrow() for d in manifest.identity.differences(identity.flat(), complete=True)]
+        # `manifest` is what the store holds now, read back even when this call created it.
+        conflicts = [d.arrow() for d in manifest.identity.differences(identity.flat(), complete=True)]
         if conflicts:
             shown = "; ".join(conflicts[:4]) + (f"; and {len(conflicts) - 4} more" if len(conflicts) > 4 else "")
+            if created:
+                raise PipelineError(f"{location.where(MANIFEST)}: another extract replaced the manifest this one had "
+                                    f"just created ({shown}), so the store let two writers create it; nothing was "
+                                    "written by this run; use a store that honours create-if-absent writes")
             raise PipelineError(f"{location.where()}: was created with a different configuration ({shown}); "
                                 "use another --cache or the original settings")
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
     run = ShardRun(cfg=cfg, paths=paths, masker=masker, facts=facts, taps=taps, model=model, layout=layout,
-                   location=location, tp_plan=tp_plan, identity=identity.shard_identity(), index=dataset["index"],
+                   location=location, tp_plan=tp_plan, identity=identity, index=dataset["index"],
                    capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
     skipped = {"committed": 0, "locked": 0}
     locks = cfg.shard_locks and isinstance(location, LocalLocation)
@@ -118,4 +127,5 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         "tokens_per_s": totals["tokens"] / seconds,
         "stream_tokens_per_s": totals["tokens"] / stream_seconds,
         "writer": "inline" if run.writer_queue == 0 else f"background thread, queue {run.writer_queue}",
+        "store_probe": probe.record() if probe is not None else None,
     }

@@ -44,7 +44,7 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
     location = open_location(cache_dir)
     location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     try:
-        reader = CacheReader(location)
+        reader = CacheReader(location, foreign="report")  # shards of another identity: named by check_provenance
     except PipelineError as e:
         return {"cache": location.where(), "passed": False, "checks": [Check("manifest", False, str(e)).record()]}
     selected = select_shards(reader, shards)

@@ -149,3 +149,76 @@ class Outage:
             except OSError:
                 pass
         self.conns = []
+
+
+class ForgetfulRelay:
+    """A real HTTP relay on its own port in front of an S3-compatible server that drops the
+    request headers named in `drop` (by default `If-None-Match`, making the store behind it one
+    that ignores create-if-absent, as s3rver 3.7 and some gateways do) and counts what it forwards:
+    `requests` lists (method, path, whether the header was there). Chosen over installing s3rver
+    from npm: no Node.js in the test environment, and the store behind it is the same moto server
+    every other object-store test uses, so the only difference is the one under test."""
+
+    def __init__(self, target_port: int, drop: tuple[str, ...] = ("if-none-match",)):
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        relay = self
+        self.requests: list[tuple[str, str, bool]] = []
+        self.lock = threading.Lock()
+        hop = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes | None:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    parts = []
+                    while (size := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(parts)
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else None
+
+            def _forward(self):
+                body = self._body()
+                had = any(k.lower() in drop for k in self.headers)
+                with relay.lock:
+                    relay.requests.append((self.command, self.path, had))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in drop and k.lower() not in hop}
+                if body is not None:
+                    headers["Content-Length"] = str(len(body))
+                upstream = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    response = upstream.getresponse()
+                    data = response.read()
+                finally:
+                    upstream.close()
+                self.send_response(response.status, response.reason)
+                for k, v in response.getheaders():
+                    if k.lower() not in hop and not (k.lower() == "content-length" and self.command != "HEAD"):
+                        self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

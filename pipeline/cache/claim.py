@@ -10,6 +10,7 @@ from pipeline.cache.commit import shard_committed
 from pipeline.cache.files import FileLock
 from pipeline.cache.location import Location
 from pipeline.cache.schema import MANIFEST, shard_lock_name, shard_name
+from pipeline.cache.store_probe import PROBE_KEY
 from pipeline.distributed import Layout
 from pipeline.errors import PipelineError
 
@@ -19,10 +20,19 @@ def refuse_foreign_content(location: Location) -> None:
     prefix or directory that holds something else is never written into."""
     if location.read(MANIFEST) is not None:
         return
-    foreign = [k for k in location.some_keys(20) if not re.fullmatch(r"\.shard-\d{5}\.lock|\.manifest\.json\.tmp-\d+", k)]
+    foreign = [k for k in location.some_keys(20) if not _ours(k)]
     if foreign:
         raise PipelineError(f"{location.where()}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''} "
                             "but no cache manifest.json: not a cache; choose an empty --cache location")
+
+
+def _ours(key: str) -> bool:
+    """A key this tool leaves under a cache being created: a shard lock, a directory's temporary of
+    the manifest, another extract's store probe (pipeline/cache/store_probe.py) or its temporary."""
+    if re.fullmatch(r"\.shard-\d{5}\.lock", key):
+        return True
+    written = re.sub(r"^\.(.+)\.tmp-\d+$", r"\1", key)  # a directory's temporary: .NAME.tmp-PID
+    return written == MANIFEST and written != key or bool(PROBE_KEY.fullmatch(written))
 
 
 def claim_shard(location: Location, shard: int, layout: Layout, locks: bool) -> tuple[str, FileLock | None]:

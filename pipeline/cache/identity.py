@@ -68,12 +68,17 @@ class CaptureRecord:
         return Chunking.from_options(self.storage["options"])
 
 
-# Each shard repeats part of the identity (so a shard written by another tokenizer or tap set
-# shows up); on disk under these flat names, compared as these identity fields.
+# Each shard repeats the part of the identity that decides what its arrays mean (so a shard
+# written by another target, tokenizer, template, thinking mode or tap set shows up, and readers
+# refuse it: pipeline/cache/manifest.py `Manifest.foreign_shards`); on disk under these flat
+# names, compared as these identity fields. Shards written before a field was added lack it: a
+# field a shard does not record is not compared.
 SHARD_IDENTITY_FIELDS = {
     "target_config_sha256": "target.config_sha256",
+    "target_weights": "target.weights",
     "tokenizer_files_sha256": "tokenizer.files_sha256",
     "chat_template_sha256": "tokenizer.chat_template_sha256",
+    "thinking": "tokenizer.thinking",
     "target_layer_ids": "capture.target_layer_ids",
     "hidden_size": "capture.hidden_size",
     "vocab_size": "capture.vocab_size",

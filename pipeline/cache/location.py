@@ -64,6 +64,10 @@ class Location:
         """Remove every object under prefix ('shard-00003/')."""
         raise NotImplementedError
 
+    def delete(self, key: str) -> None:
+        """Remove one object (nothing happens when there is none)."""
+        raise NotImplementedError
+
     def some_keys(self, limit: int = 10) -> list[str]:
         """Up to `limit` keys stored under the root (not all: the root may hold anything)."""
         raise NotImplementedError
@@ -190,6 +194,12 @@ class LocalLocation(Location):
 
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self.path(prefix.rstrip("/")), ignore_errors=True)
+
+    def delete(self, key: str) -> None:
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise PipelineError(f"{self.path(key)}: delete failed ({describe_os_error(e)})") from None
 
     def some_keys(self, limit: int = 10) -> list[str]:
         if not self.root.is_dir():

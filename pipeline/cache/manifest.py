@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.cache.identity import Identity
+from pipeline.cache.identity import Difference, Identity, shard_claims, shard_field_name
 from pipeline.cache.location import Location, open_location
 from pipeline.cache.records import RecordFieldError, dump_record, parse_record, stored_as
 from pipeline.cache.schema import (
@@ -110,6 +110,23 @@ class Manifest:
         """Committed shard names in index order."""
         return sorted(self.shards, key=shard_index)
 
+    def foreign_shards(self) -> dict[str, list[Difference]]:
+        """{committed shard: how its recorded identity differs from this manifest's}, for every
+        shard extracted with other taps, another target, tokenizer, template, thinking mode, top-k,
+        hidden format or schema (`cp -r` or `aws s3 sync` of two runs into one place, or two
+        extracts racing on a store that ignores create-if-absent). Readers for training and
+        evaluation refuse such a cache (pipeline/cache/reader.py); verify-cache reports it."""
+        found = {}
+        for name in self.committed():
+            record = self.shards[name]
+            differences = self.identity.differences(shard_claims(record.identity or {}))
+            if record.schema_version is not None and record.schema_version != self.schema_version:
+                differences.append(Difference("schema_version", "schema version", self.schema_version,
+                                              record.schema_version))
+            if differences:
+                found[name] = differences
+        return found
+
     def recorded_target(self):
         from pipeline.target import RecordedTarget
         return RecordedTarget(path=self.sources.target, config_sha256=self.identity.target.config_sha256,
@@ -138,6 +155,26 @@ def new_manifest(*, identity: Identity, provenance: dict, plan: dict, sources: S
     return Manifest(format=FORMAT_NAME, schema_version=SCHEMA_VERSION, created=_now(), identity=identity,
                     provenance=provenance, plan=parse_record(PlanRecord, plan, "plan."), shards={}, sources=sources,
                     resolved_config=resolved_config, commit_protocol=PROTOCOL)
+
+
+def describe_foreign(where: str, foreign: dict[str, list[Difference]], num_committed: int) -> str:
+    """One line for a cache holding shards of another identity: the first such shard, its first
+    differing field with both values, and what to do (DESIGN 6: no flag trains on a mixed cache)."""
+    name, differences = next(iter(sorted(foreign.items())))
+    first = differences[0]
+    field = shard_field_name(first.field)
+    more = f" and {len(differences) - 1} more fields" if len(differences) > 1 else ""
+    others = f"; {len(foreign)} of {num_committed} committed shards differ" if len(foreign) > 1 else ""
+    return (f"{where}: {name} was extracted with another identity than the cache's manifest.json ({field}: shard "
+            f"{_brief(first.other)} vs manifest {_brief(first.recorded)}{more}){others}; training or evaluating on it "
+            f"would mix features of two extractions. `pipeline verify-cache {where}` lists every such shard; "
+            f"re-extract it: remove {name}/ and run `pipeline extract --shards {shard_index(name)}` with this cache's "
+            "settings")
+
+
+def _brief(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+    return text if len(text) <= 60 else text[:24] + "..." + text[-12:]
 
 
 def describe_missing(found: dict) -> str:
@@ -218,9 +255,24 @@ def create_manifest(location: Location, manifest: Manifest) -> tuple[Manifest, b
     none exists (a create-if-absent write: of concurrent creators exactly one wins); otherwise
     the existing one is returned for the caller to compare."""
     data = (json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n").encode()
-    if location.put_if_absent(MANIFEST, data):
-        return manifest, True
+    created = location.put_if_absent(MANIFEST, data)
+    # Read back either way: a store that let a concurrent creator overwrite ours shows it here,
+    # before any shard is written (the caller compares identities).
     existing = read_manifest(location)
     if existing is None:
-        raise PipelineError(f"{location.where(MANIFEST)}: exists but cannot be read back")
-    return existing, False
+        raise PipelineError(f"{location.where(MANIFEST)}: {'written' if created else 'exists'} but cannot be read back")
+    return existing, created
+
+
+def identity_conflicts(location: Location, identity: Identity) -> list[Difference]:
+    """How the identity in the stored manifest.json differs from `identity` (every field both
+    ways): one read of manifest.json, no listing. Extract calls it before each shard's commit
+    record, so a writer whose manifest was replaced never commits a shard under another identity."""
+    raw = location.read(MANIFEST)
+    if raw is None:
+        raise PipelineError(f"{location.where(MANIFEST)}: disappeared while this extract was writing the cache")
+    try:
+        stored = parse_manifest(json.loads(raw.decode("utf-8")), location.where(MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{location.where(MANIFEST)}: not valid JSON ({e})") from None
+    return stored.identity.differences(identity.flat(), complete=True)

@@ -190,6 +190,9 @@ class S3Location(Location):
         for i in range(0, len(keys), 1000):
             self._call("delete", prefix, self._obstore.delete, self.store, keys[i:i + 1000])
 
+    def delete(self, key: str) -> None:
+        self._call("delete", key, self._obstore.delete, self.store, key)
+
     def zarr_store(self, prefix: str, *, read_only: bool):
         from zarr.storage import ObjectStore
         inner = "/".join(p for p in (self.prefix, prefix.strip("/")) if p)

@@ -18,7 +18,7 @@ import zarr
 from pipeline.cache.encoding import decode_hidden
 from pipeline.cache.local_copy import LocalCopies
 from pipeline.cache.location import Location, open_location
-from pipeline.cache.manifest import read_manifest
+from pipeline.cache.manifest import describe_foreign, read_manifest
 from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, array_specs, file_key, role_names, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.config import parse_size
@@ -152,7 +152,11 @@ class ShardReader:
 
 
 class CacheReader:
-    def __init__(self, cache: str | Path | Location):
+    def __init__(self, cache: str | Path | Location, *, foreign: str = "refuse"):
+        """`foreign`: what to do with committed shards whose recorded identity differs from the
+        manifest's (`Manifest.foreign_shards`): "refuse" (every reader for training and evaluation:
+        one line naming the shard, the field and both values; no option trains on a mixed cache)
+        or "report" (verify-cache and --show, which name them)."""
         self.location = cache if isinstance(cache, Location) else open_location(cache)
         self.dir = self.location.where()  # for messages
         self.listing = self.location.listing()  # every file with its size, listed once
@@ -160,6 +164,9 @@ class CacheReader:
         if manifest is None:
             raise PipelineError(f"{self.dir}: no manifest.json (not a cache, or no shard committed yet)")
         self.manifest = manifest  # validated on read (declared sizes bounded, chunking parsed)
+        self.foreign = manifest.foreign_shards()
+        if self.foreign and foreign == "refuse":
+            raise PipelineError(describe_foreign(self.dir, self.foreign, len(manifest.shards)))
         self.chunking = manifest.identity.capture.chunking()
         self.hidden_format = manifest.identity.capture.hidden_format
         self.shards = manifest.committed()
@@ -207,14 +214,16 @@ class CacheReader:
         return sorted(ids)
 
 
-def open_cache(cache: str | Path, local: str | Path | None = None, local_size: str | int | None = None) -> CacheReader:
+def open_cache(cache: str | Path, local: str | Path | None = None, local_size: str | int | None = None, *,
+               foreign: str = "refuse") -> CacheReader:
     """A reader of the cache at `cache`, once its location is known to be reachable (so an
     unreachable one is named as such, not as a cache without a manifest); a remote cache read
-    through bounded local copies in `local` (of at most `local_size`) with --cache-local."""
+    through bounded local copies in `local` (of at most `local_size`) with --cache-local.
+    `foreign`: see `CacheReader`."""
     location = open_location(cache)
     location.check_reachable()
     if local is None:
-        return CacheReader(location)
+        return CacheReader(location, foreign=foreign)
     if not location.remote:
         raise PipelineError(f"--cache-local: {cache} is already on this machine's filesystem")
-    return CacheReader(LocalCopies(location, Path(local), parse_size(local_size)))
+    return CacheReader(LocalCopies(location, Path(local), parse_size(local_size)), foreign=foreign)

@@ -16,7 +16,7 @@ def show_sample(cache_dir: str | Path, sample_id: int, target: Path | None) -> d
     """The sample as `--show` prints it: its tokens decoded one by one, each one's kind
     (reasoning, content, tool call, end of turn; '' = not supervised), loss mask and label (the
     target's argmax at the position before, DESIGN 3.2), and a one-line span summary."""
-    reader = open_cache(cache_dir)
+    reader = open_cache(cache_dir, foreign="report")  # looking at a sample of a mixed cache is how one inspects it
     shard = reader.find(sample_id)
     try:
         target_dir = resolve_target(target, reader.manifest.recorded_target())

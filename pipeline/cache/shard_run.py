@@ -12,7 +12,9 @@ import torch
 from pipeline.cache.encoding import encode_rows
 from pipeline.cache.extract_record import cache_dims, chunking
 from pipeline.cache.files import FileLock
-from pipeline.cache.schema import SCHEMA_VERSION, shard_name
+from pipeline.cache.identity import Identity
+from pipeline.cache.manifest import identity_conflicts
+from pipeline.cache.schema import MANIFEST, SCHEMA_VERSION, shard_name
 from pipeline.cache.writer import AlreadyCommitted, BackgroundWriter, ShardWriter
 from pipeline.data.samples import CONTENT_COUNTS, ROW_COUNTS, length_batches, prepare_samples
 from pipeline.errors import PipelineError
@@ -25,7 +27,8 @@ class ShardRun:
     """Forward on this thread; encoding, compression, writing and the commit of each shard on one
     background thread, so shard k commits while shard k+1 runs through the target."""
 
-    def __init__(self, *, cfg, paths, masker, facts, taps, model, layout, location, tp_plan, identity, capture, index):
+    def __init__(self, *, cfg, paths, masker, facts, taps, model, layout, location, tp_plan, identity: Identity,
+                 capture, index):
         self.identity, self.index = identity, index
         self.cfg, self.paths, self.masker, self.facts, self.taps = cfg, paths, masker, facts, taps
         self.model, self.layout, self.location, self.tp_plan, self.capture = model, layout, location, tp_plan, capture
@@ -57,7 +60,7 @@ class ShardRun:
             bar.advance(len(batch), tokens=sum(len(s[1]) for s in batch))
         bar.advance(len(rows) - len(samples))
         if writer is not None:
-            writer.attrs.update({"counts": counts, "identity": self.identity,
+            writer.attrs.update({"counts": counts, "identity": self.identity.shard_identity(),
                                  "kernels": kernel_record(self.model, counter.counts)})
             writer.run_record.update({"layout": {**self.layout.record(), "tp_plan": self.tp_plan},
                                       "host": platform.node(), "environment": environment()})
@@ -70,12 +73,24 @@ class ShardRun:
 
     def _commit(self, writer: ShardWriter, shard: int, lock: FileLock | None) -> None:
         try:
+            self._refuse_replaced_manifest(shard)
             self.records.append(writer.commit())
         except AlreadyCommitted:
             self.committed_elsewhere += 1
         finally:
             if lock is not None:
                 lock.release()
+
+    def _refuse_replaced_manifest(self, shard: int) -> None:
+        """One read of manifest.json before each commit record: a shard is never committed under
+        an identity the cache no longer has (a store that let another extract replace the manifest
+        after this one read it back). The shard's files stay uncommitted: invisible to readers."""
+        conflicts = identity_conflicts(self.location, self.identity)
+        if conflicts:
+            shown = "; ".join(d.arrow() for d in conflicts[:3])
+            raise PipelineError(f"{self.location.where(MANIFEST)}: replaced by another extract with a different "
+                                f"configuration ({shown}) while this one wrote {shard_name(shard)}; the shard was not "
+                                "committed; the store does not honour create-if-absent writes")
 
     def close(self) -> None:
         if self.background is not None:

@@ -12,7 +12,7 @@ import numpy as np
 from pipeline.cache.check_report import Check
 from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.cache.files import digest_of_files
-from pipeline.cache.identity import shard_claims, shard_field_name
+from pipeline.cache.identity import shard_field_name
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import DIGESTS, array_specs
 from pipeline.errors import PipelineError
@@ -104,7 +104,7 @@ def check_provenance(reader: CacheReader, shards: list[str]) -> Check:
     identity = reader.manifest.identity
     for name in shards:
         rec = reader.manifest.shards[name]
-        for d in identity.differences(shard_claims(rec.identity or {})):
+        for d in reader.foreign.get(name, []):
             identity_problems.append(f"{name}: {shard_field_name(d.field)} {str(d.other)[:16]} differs from the cache's {str(d.recorded)[:16]}")
         paths.setdefault(rec.kernel_path, []).append(name)
         env = rec.environment or {}

@@ -3,7 +3,6 @@ tau that replaying decoding over those teacher-forced streaks gives (`pipeline e
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,11 +14,11 @@ from pipeline.errors import PipelineError
 
 
 @torch.no_grad()
-def teacher_forced(drafter, cache_dir: Path, *, im_start: int, last_turn_only: bool = True) -> dict:
-    """The training metrics of `drafter` on a cache, every valid anchor (no sampling), optionally
-    only anchors in each sample's last assistant turn (the turn `run_eval` generates)."""
+def teacher_forced(drafter, reader: CacheReader, *, im_start: int, last_turn_only: bool = True) -> dict:
+    """The training metrics of `drafter` on a cache (opened by the caller, so that a cache it
+    cannot use is refused before any decoding), every valid anchor (no sampling), optionally only
+    anchors in each sample's last assistant turn (the turn `run_eval` generates)."""
     c, sums, walk_tokens, walk_steps = drafter.config, None, 0, 0
-    reader = CacheReader(cache_dir)
     for name in reader.shards:
         shard = reader.shard(name, chunk_cache_bytes=64 * 2**20)
         for sid in map(int, shard.sample_ids):
@@ -39,7 +38,7 @@ def teacher_forced(drafter, cache_dir: Path, *, im_start: int, last_turn_only: b
                 walk = _walk(seq.anchors[keep].tolist(), logits[keep], batch.labels[keep], batch.weights[keep])
                 walk_tokens, walk_steps = walk_tokens + walk[0], walk_steps + walk[1]
     if sums is None:
-        raise PipelineError(f"{cache_dir}: no sample with a valid anchor")
+        raise PipelineError(f"{reader.dir}: no sample with a valid anchor")
     metrics = finish_metrics(sums)
     return {**metrics, "tau_estimate": metrics["avg_streak"] + 1, "tau_walk": walk_tokens / max(walk_steps, 1),
             "anchors": int(sums["blocks"]), "last_turn_only": last_turn_only}
