@@ -17,8 +17,9 @@ from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
 from pipeline.errors import PipelineError
 from pipeline.threads import apply_threads
 from pipeline.ui import ProgressBar, TrainView, error, print_sample, warning
-from pipeline.ui.summaries import (show_demo, show_demo_step, show_eval, show_extract, show_generate, show_report,
-                                   show_report_redraw, show_target_info, show_train, show_verify)
+from pipeline.ui.summaries import (show_cache_info, show_demo, show_demo_step, show_eval, show_extract, show_extract_dry,
+                                   show_generate, show_report, show_report_redraw, show_target_info, show_train,
+                                   show_verify)
 from stages.report import follow_report, run_report
 
 # The other stages import torch at import time (a second or more), so each command imports its own
@@ -94,10 +95,13 @@ def extract(
     batch_tokens: Annotated[Optional[int], typer.Option(help="Forward batch budget in tokens, padding included.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,
     shard_locks: Annotated[Optional[bool], typer.Option("--shard-locks/--no-shard-locks", help="In a cache directory, skip shards another process is writing (flock; default on). Off where flock does not work: commits stay safe without it.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the bill instead: rows, tokens, samples per shard, bytes and files, from the data, the target's config and tokenizer (no weights loaded, nothing written).")] = False,
+    assume_tokens_per_s: Annotated[Optional[float], typer.Option(help="With --dry-run: extraction rate to turn tokens into time (measure it on a pilot shard).")] = None,
+    assume_compression: Annotated[float, typer.Option(help="With --dry-run: stored / raw bytes (default 1.0, an upper bound); `pipeline cache-info` of a pilot shard prints it as stored_vs_raw.")] = 1.0,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the target once and write the sharded, checksummed hidden-state cache."""
-    from stages.extract import run_extract  # heavy: imports torch; keeps `pipeline --help` fast
+    from stages.extract import run_extract, run_extract_dry  # heavy: imports torch; keeps `pipeline --help` fast
 
     if config is None and Path("extract.toml").is_file():
         config = Path("extract.toml")
@@ -110,6 +114,12 @@ def extract(
         base = load_config(ExtractConfig, config, {}, section="extract").chat_template_kwargs
         overrides["chat_template_kwargs"] = {**base, "enable_thinking": thinking}
     cfg = load_config(ExtractConfig, config, overrides, section="extract")
+    if dry_run:
+        show_extract_dry(run_extract_dry(cfg, shards, assume_tokens_per_s=assume_tokens_per_s,
+                                         assume_compression=assume_compression, progress=not json_out), json_out)
+        return
+    if assume_tokens_per_s is not None or assume_compression != 1.0:
+        raise PipelineError("--assume-tokens-per-s and --assume-compression go with --dry-run")
     summary = run_extract(cfg, shards, progress=not json_out)
     if summary["rank"] == 0:
         show_extract(summary, json_out)
@@ -330,6 +340,19 @@ def demo(
     summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to, block_size=block_size,
                        say=show_demo_step)
     show_demo(summary, json_out)
+
+
+@app.command("cache-info")
+@_user_errors
+def cache_info(
+    cache: Annotated[str, typer.Argument(help="Cache: a directory, file://PATH or s3://BUCKET/PREFIX.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """What a cache holds, from its records alone (no array is read): identity, completeness,
+    kernel provenance per shard, hosts, environments, counts, bytes per token."""
+    from stages.cache_info import run_cache_info  # imports zarr; keeps `pipeline --help` fast
+
+    show_cache_info(run_cache_info(cache), json_out)
 
 
 @app.command("target-info")

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, replace
 
 from pipeline.cache.claim import claim_shard, refuse_foreign_content
+from pipeline.cache.estimate import estimate_extraction, read_inputs
 from pipeline.cache.extract_record import cache_dims, chunking, identity_record
 from pipeline.cache.location import LocalLocation, open_location
 from pipeline.cache.manifest import SourcesRecord, create_manifest, new_manifest
@@ -22,18 +23,34 @@ from pipeline.cache.schema import MANIFEST
 from pipeline.cache.store_probe import check_create_if_absent
 from pipeline.cache.shard_run import ShardRun
 from pipeline.config import ExtractConfig
-from pipeline.data.conversations import resolve_data
-from pipeline.data.loss_mask import ConversationMasker
-from pipeline.data.samples import scan_dataset
-from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
+from pipeline.data.shard_plan import assign_to_groups, shard_rows
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import init_layout
 from pipeline.errors import PipelineError
 from pipeline.provenance import environment
-from pipeline.target import load_target_model, load_tokenizer, read_target_facts, resolve_target
+from pipeline.target import load_target_model
 from pipeline.target.capture import Capture
-from pipeline.target.taps import taps_for, validate_taps
 from pipeline.ui import ProgressBar
+
+
+def _with_source(cfg: ExtractConfig) -> ExtractConfig:
+    if cfg.generated_by is None and all(d.startswith("embedded:") for d in cfg.data):
+        return replace(cfg, generated_by="the embedded target itself, greedy (pipeline/toy/generate.py)")
+    return cfg
+
+
+def run_extract_dry(cfg: ExtractConfig, shards_spec: str | None, *, assume_tokens_per_s: float | None = None,
+                    assume_compression: float = 1.0, progress: bool = True) -> dict:
+    """`extract --dry-run`: the bill of this extraction (pipeline/cache/estimate.py). Reads the
+    data, the target's config and tokenizer; loads no weights and writes nothing."""
+    inputs = read_inputs(_with_source(cfg), shards_spec)
+    num_rows = inputs.dataset["num_rows"]
+    bar = ProgressBar("dry run", "rows", enabled=progress,
+                      total=sum(len(shard_rows(s, num_rows, cfg.num_shards)) for s in inputs.selected))
+    with bar:
+        summary = estimate_extraction(inputs, assume_tokens_per_s=assume_tokens_per_s,
+                                      assume_compression=assume_compression, progress=bar.advance)
+    return {"cache": cfg.cache, **summary}
 
 
 def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool = True) -> dict:
@@ -45,20 +62,9 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         location.ensure_root()
         refuse_foreign_content(location)
         probe = check_create_if_absent(location)  # the commit protocol's one primitive, or no cache
-    target_dir = resolve_target(cfg.target)
-    facts = read_target_facts(target_dir)
-    taps = list(cfg.layers) if cfg.layers is not None else taps_for(cfg.target, facts.num_hidden_layers)
-    validate_taps(taps, facts.num_hidden_layers)
-    if cfg.top_k > facts.vocab_size:
-        raise PipelineError(f"top_k {cfg.top_k} exceeds the target's vocab_size {facts.vocab_size}")
-    selected = parse_shards(shards_spec, cfg.num_shards)
-    paths = resolve_data(cfg.data)
-    if cfg.generated_by is None and all(d.startswith("embedded:") for d in cfg.data):
-        cfg = replace(cfg, generated_by="the embedded target itself, greedy (pipeline/toy/generate.py)")
-    tokenizer = load_tokenizer(target_dir)
-    # One masker (one probe of the generation prompt) for the validating pass and every shard.
-    masker = ConversationMasker(tokenizer, cfg.end_of_turn, cfg.chat_template_kwargs, cfg.reasoning)
-    dataset = scan_dataset(paths, cfg.on_error, masker)
+    inputs = read_inputs(_with_source(cfg), shards_spec)
+    cfg, target_dir, facts, taps, selected = inputs.cfg, inputs.target_dir, inputs.facts, inputs.taps, inputs.selected
+    paths, tokenizer, masker, dataset = inputs.paths, inputs.tokenizer, inputs.masker, inputs.dataset
 
     device, dtype = resolve_device("auto", cfg.compute_dtype)
     compute = dtype_name(dtype)

@@ -282,17 +282,56 @@ def two_process_run(cache, tmp_path_factory):
     return run, json.loads(two.stdout)
 
 
-def test_two_process_ddp_matches_one_process(cache, tmp_path, two_process_run):
-    """Two ranks (DDP, AdamW state sharded by ZeroRedundancyOptimizer) log what one process logs."""
-    one = cli("train", "--cache", str(cache), "--out", str(tmp_path / "one"), *TWO_PROCESS, env={"OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def one_process_run(cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("one") / "run"
+    one = cli("train", "--cache", str(cache), "--out", str(run), *TWO_PROCESS, env={"OMP_NUM_THREADS": "1"})
     assert one.returncode == 0, one.stderr
-    run, summary = two_process_run
-    assert summary["world_size"] == 2
-    assert "sharded over 2 ranks" in json.loads((run / "run.json").read_text())["optimizer"]
-    for x, y in zip(read_log(tmp_path / "one"), read_log(run), strict=True):
+    return run
+
+
+def _same_run(a: list[dict], b: list[dict]) -> None:
+    """Two logs of the same steps agree to float32 reduction order (ranks sum gradients in
+    another order than one process does)."""
+    assert [x["step"] for x in a] == [y["step"] for y in b]
+    for x, y in zip(a, b, strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), x["step"]
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4), x["step"]
         assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1e-6), x["step"]
+        assert (x["epoch"], x["lr"]) == (y["epoch"], y["lr"]), x["step"]
+
+
+def test_two_process_ddp_matches_one_process(cache, two_process_run, one_process_run):
+    """Two ranks (DDP, AdamW state sharded by ZeroRedundancyOptimizer) log what one process logs."""
+    run, summary = two_process_run
+    assert summary["world_size"] == 2
+    assert "sharded over 2 ranks" in json.loads((run / "run.json").read_text())["optimizer"]
+    _same_run(read_log(one_process_run), read_log(run))
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks(cache, tmp_path, two_process_run, one_process_run, before, after):
+    """A run checkpointed at step 6 on `before` ranks and resumed on `after` ranks logs steps 7-12
+    as the uninterrupted run on `after` ranks logs them: the global batch (batch_sequences, split
+    over the ranks by position), the data order (a function of seed and epoch only), the optimizer
+    state (consolidated on save, re-split on load) and the RNG do not depend on the world size."""
+    source = two_process_run[0] if before == 2 else one_process_run
+    reference = two_process_run[0] if after == 2 else one_process_run
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000012")
+    shutil.rmtree(run / "drafter")
+    if after == 2:
+        resumed = torchrun(2, "train", "--cache", str(cache), "--out", str(run), *TWO_PROCESS)
+    else:
+        resumed = cli("train", "--cache", str(cache), "--out", str(run), *TWO_PROCESS, env={"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert (record["resumed_from_step"], record["world_size"]) == (6, after)
+    log = read_log(run)
+    assert [x["step"] for x in log] == list(range(1, 13))
+    assert log[:6] == read_log(source)[:6]  # the steps before the checkpoint are the first run's, kept
+    _same_run(log[6:], read_log(reference)[6:])
 
 
 def test_two_process_resume_is_exact(cache, tmp_path, two_process_run):

@@ -29,6 +29,9 @@ from pipeline.errors import PipelineError
 
 FileDigests = dict[str, tuple[int, str]]  # path relative to the shard -> (size, sha256 hex)
 PROTOCOL = "commit records: shard-NNNNN/digests.json, written last and only if absent, lists every file"
+# Stated in manifest.json, so whoever opens a cache finds each shard's provenance without this tool.
+SHARD_RECORDS = ("shard-NNNNN/digests.json, key 'shard': counts, samples, tokens, bytes, the shard's identity, "
+                 "kernel provenance per linear-attention op, host, environment, parallel layout")
 _SHARD_NAME = re.compile(r"^shard-\d{5}$")
 _RECORD_KEY = re.compile(r"^(shard-\d{5})/" + re.escape(DIGESTS) + "$")
 

@@ -35,6 +35,7 @@ class Location:
 
     url: str
     remote: bool = False
+    requests: int | None = None  # requests made so far, where the backend counts them (object stores)
 
     def where(self, key: str = "") -> str:
         """The location of `key` as a user would write it (for messages)."""

@@ -97,6 +97,7 @@ class Manifest:
     sources: SourcesRecord = field(default_factory=SourcesRecord)
     resolved_config: dict | None = None
     commit_protocol: str | None = None   # absent in caches that list their shards in this file
+    shard_records: str | None = None     # where each shard's record is (absent in caches written before it was stated)
     extra: dict = field(default_factory=dict)
     # Not stored: shards whose commit record is there but does not match their files (why, by name).
     broken: dict = field(default_factory=dict, metadata={"stored": False})
@@ -151,10 +152,10 @@ class Manifest:
 
 def new_manifest(*, identity: Identity, provenance: dict, plan: dict, sources: SourcesRecord,
                  resolved_config: dict | None = None) -> Manifest:
-    from pipeline.cache.commit import PROTOCOL
+    from pipeline.cache.commit import PROTOCOL, SHARD_RECORDS
     return Manifest(format=FORMAT_NAME, schema_version=SCHEMA_VERSION, created=_now(), identity=identity,
                     provenance=provenance, plan=parse_record(PlanRecord, plan, "plan."), shards={}, sources=sources,
-                    resolved_config=resolved_config, commit_protocol=PROTOCOL)
+                    resolved_config=resolved_config, commit_protocol=PROTOCOL, shard_records=SHARD_RECORDS)
 
 
 def describe_foreign(where: str, foreign: dict[str, list[Difference]], num_committed: int) -> str:

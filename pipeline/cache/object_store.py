@@ -17,6 +17,7 @@ from __future__ import annotations
 import configparser
 import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -108,6 +109,12 @@ class S3Location(Location):
         self._obstore = obstore
         self._pool: ThreadPoolExecutor | None = None
         self._stores: dict = {}
+        self.requests = 0  # requests this client made for reads, listings, writes and deletes
+        self._count_lock = threading.Lock()
+
+    def _count(self, n: int = 1) -> None:
+        with self._count_lock:
+            self.requests += n
 
     def _make_store(self, prefix: str):
         import obstore.store
@@ -134,6 +141,7 @@ class S3Location(Location):
             raise self._fail(what, key, e) from None
 
     def read(self, key: str) -> bytes | None:
+        self._count()
         try:
             return bytes(self._obstore.get(self.store, key).bytes())
         except (FileNotFoundError, self._obstore.exceptions.NotFoundError) as e:
@@ -146,11 +154,13 @@ class S3Location(Location):
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
         if not ranges:
             return []
+        self._count()  # at least one: obstore coalesces adjacent ranges and may split far ones
         parts = self._call("range read", key, self._obstore.get_ranges, self.store, key,
                            starts=[a for a, _ in ranges], ends=[b for _, b in ranges])
         return [memoryview(p) for p in parts]
 
     def stream(self, key: str) -> Iterator[bytes]:
+        self._count()
         result = self._call("read", key, self._obstore.get, self.store, key)
         try:
             for block in result.stream(min_chunk_size=STREAM_BLOCK):
@@ -160,6 +170,7 @@ class S3Location(Location):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """S3's conditional PUT (If-None-Match: *): the store decides, for every writer at once."""
+        self._count()
         try:
             self._obstore.put(self.store, key, data, mode="create")
             return True
@@ -172,6 +183,7 @@ class S3Location(Location):
         found = {}
         try:
             for page in self._obstore.list(self.store, prefix or None, chunk_size=1000):
+                self._count()  # one LIST request a page of at most 1,000 keys
                 for meta in page:
                     found[meta["path"]] = int(meta["size"])
         except Exception as e:  # noqa: BLE001
@@ -179,6 +191,7 @@ class S3Location(Location):
         return dict(sorted(found.items()))
 
     def some_keys(self, limit: int = 10) -> list[str]:
+        self._count()
         try:
             page = next(iter(self._obstore.list(self.store, None, chunk_size=limit)), [])
         except Exception as e:  # noqa: BLE001
@@ -188,9 +201,11 @@ class S3Location(Location):
     def delete_prefix(self, prefix: str) -> None:
         keys = list(self.listing(prefix))
         for i in range(0, len(keys), 1000):
+            self._count()
             self._call("delete", prefix, self._obstore.delete, self.store, keys[i:i + 1000])
 
     def delete(self, key: str) -> None:
+        self._count()
         self._call("delete", key, self._obstore.delete, self.store, key)
 
     def zarr_store(self, prefix: str, *, read_only: bool):
@@ -205,6 +220,7 @@ class S3Location(Location):
         self.check_reachable()
 
     def check_reachable(self) -> None:
+        self._count()
         try:
             next(iter(self._obstore.list(self.store, None, chunk_size=1)), None)
         except Exception as e:  # noqa: BLE001

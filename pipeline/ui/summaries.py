@@ -29,6 +29,44 @@ def show_extract(summary: dict, json_out: bool) -> None:
     console.print(key_value_table("extract", [(k, with_thousands(v)) for k, v in summary.items() if k != "layout"]))
 
 
+def show_extract_dry(bill: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(bill)
+        return
+
+    def size(n: float) -> str:
+        for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+            if abs(n) < 1000 or unit == "PB":
+                return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
+            n /= 1000
+        return str(n)
+
+    spread = bill["samples_per_shard"]
+    files = bill["files_per_shard"]
+    seconds = bill["extract_seconds"]
+    rows = [("cache (not touched)", bill["cache"]), ("target (config and tokenizer only)", bill["target"]),
+            ("taps / hidden / vocab / top-k / format",
+             f"{bill['taps']} / {bill['hidden_size']:,} / {bill['vocab_size']:,} / {bill['top_k']} / {bill['hidden_format']}"),
+            ("shards", f"{bill['selected_shards']} of {bill['num_shards']}"),
+            ("rows: valid / refused", f"{bill['rows']:,}: {bill['valid_rows']:,} / {bill['refused_rows']:,} "
+             f"(truncated {bill['truncated']:,}, overlong skipped {bill['overlong_skipped']:,}, "
+             f"no supervised token {bill['no_supervised_tokens']:,}, malformed {bill['malformed']:,})"),
+            ("tokens / supervised", f"{bill['tokens']:,} / {bill['supervised_tokens']:,}"),
+            ("samples per shard (min / mean / max)", f"{spread['min']:,} / {spread['mean']:,.1f} / {spread['max']:,}"),
+            ("raw bytes per token (schema)", f"{bill['raw_bytes_per_token']:,}: " + ", ".join(
+                f"{k} {v:,}" for k, v in bill["raw_bytes_per_token_by_array"].items())),
+            ("raw bytes", size(bill["raw_bytes"])),
+            (f"stored bytes (x {bill['assume_compression']} assumed compression)", size(bill["stored_bytes"])),
+            ("files (per shard: min / max)", f"{bill['files']:,} ({files['min']} / {files['max']})"),
+            ("extraction time", "pass --assume-tokens-per-s" if seconds is None else
+             (f"{seconds / 3600:,.2f} h" if seconds >= 3600 else f"{seconds:,.1f} s")
+             + f" at {bill['assume_tokens_per_s']:,.0f} tokens/s"),
+            ("dry run took", f"{bill['dry_run_seconds']:.1f} s")]
+    if bill["empty_shards"]:
+        rows.append(("shards with no supervised sample (extract refuses them)", str(bill["empty_shards"][:10])))
+    console.print(key_value_table("extract --dry-run", [(k, escape(str(v))) for k, v in rows]))
+
+
 def show_train(summary: dict, json_out: bool) -> None:
     if json_out:
         print_json(summary)
@@ -234,3 +272,42 @@ def show_target_info(summary: dict, json_out: bool) -> None:
     for section, values in summary.items():
         if isinstance(values, dict):
             console.print(key_value_table(section, [(k, four_digits(v)) for k, v in values.items()]))
+
+
+def show_cache_info(info: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(info)
+        return
+    done, counts, size, read = info["completeness"], info["counts"], info["bytes"], info["read"]
+    prov = info["provenance"]
+
+    def groups(grouped: dict) -> str:
+        return "; ".join(f"{value}: {g['shards']} shards" for value, g in grouped.items()) or "none"
+
+    def share(value) -> str:
+        return "n/a" if value is None else f"{value:.1%}"
+
+    rows = [("cache", info["cache"]), ("schema", info["schema_version"]), ("created", info["created"]),
+            ("shards committed / planned", f"{done['committed']} / {done['planned']}"
+             + ("" if done["complete"] else f" (INCOMPLETE: {len(done['missing'])} missing, {done['missing_rows']} rows)")),
+            ("uncommitted (record does not match files)", ", ".join(done["broken"]) or "none"),
+            ("shards of another identity", "; ".join(f"{k}: {', '.join(v)}" for k, v in done["other_identity"].items())
+             or "none"),
+            ("kernel path", groups(prov["kernel_path"]))]
+    rows += [(f"  {op}", groups(kinds)) for op, kinds in prov["ops"].items()]
+    rows += [("hosts", groups(prov["hosts"])), ("environments", groups(prov["environments"])),
+             ("layouts", groups(prov["layouts"])),
+             ("rows / samples", f"{counts['rows']:,} / {counts['samples']:,}"),
+             ("tokens / supervised", f"{counts['tokens']:,} / {counts['supervised_tokens']:,} ({share(counts['supervised_share'])})"),
+             ("reasoning / tool-call share of supervised", f"{share(counts['reasoning_share'])} / {share(counts['tool_call_share'])}"),
+             ("truncated / skipped overlong / malformed / no supervised token",
+              f"{counts['truncated']} / {counts['overlong_skipped']} / {counts['malformed']} / {counts['no_supervised_tokens']}"),
+             ("stored bytes / files", f"{size['stored']:,} / {size['files']:,}"),
+             ("bytes per token (stored / raw)", "n/a" if size["per_token"] is None else
+              f"{size['per_token']:,.1f} / {size['raw_per_token']:,.1f} ({size['stored_vs_raw']:.3f})"),
+             ("read", f"{read['records']} shard records in {read['seconds']:.2f} s"
+              + ("" if read["requests"] is None else f", {read['requests']} requests"))]
+    console.print(key_value_table("cache-info", [(k, escape(str(v))) for k, v in rows]))
+    identity = info["identity"]
+    console.print(key_value_table("identity", [(f"{section}.{k}", escape(str(v))) for section in ("target", "tokenizer", "capture", "data")
+                                               for k, v in identity[section].items()]))
