@@ -63,9 +63,15 @@ def stratified_picks(reader: CacheReader, shards: list[str], n: int, seed: int) 
 def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     """Every stored tap against every hidden_states[j]: the best j must be tap + 1."""
     taps = reader.manifest.identity.capture.target_layer_ids
-    worst = {"max_abs": 0.0, "max_rel": 0.0}
+    worst = {"max_abs": 0.0, "max_rel": 0.0, "argmax_shortfall": 0.0}
     best_index: dict[int, dict[int, int]] = {t: {} for t in taps}
     argmax_same = topk_same = positions = 0
+    # The stored argmax must be a best logit of the recompute up to rounding: where two logits are
+    # nearly tied (random weights make most positions so; a real model some), another reduction
+    # order (tensor parallelism, bf16, another kernel) legitimately picks the other one, so exact
+    # agreement is reported, not required (the tail recompute's rule and tolerance).
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    shortfall_tol = TAIL_TOLERANCE[reader.hidden_format]["argmax"] * (4 if bf16 else 1)
     best_shift: dict[int, int] = {}
     counter = KernelCallCounter(model)
     for name, row in picks:
@@ -91,6 +97,9 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
             worst["max_rel"] = max(worst["max_rel"], abs_err / max(float(ref.abs().max()), 1e-6))
         logits = out.logits[0].float().cpu()
         argmax_same += int((logits.argmax(-1).numpy() == sample["target_argmax"]).sum())
+        stored_argmax = torch.from_numpy(sample["target_argmax"].astype(np.int64))
+        shortfall = logits.max(-1).values - logits.gather(1, stored_argmax[:, None])[:, 0]
+        worst["argmax_shortfall"] = max(worst["argmax_shortfall"], float(torch.nan_to_num(shortfall, nan=float("inf")).max()))
         k_top = sample["target_topk_ids"].shape[1]
         topk_same += int((torch.topk(logits, k_top).indices.numpy() == sample["target_topk_ids"]).all(axis=1).sum())
         positions += ids.shape[1]
@@ -98,7 +107,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     recorded = sorted({reader.manifest.shards[n].kernel_path for n, _ in picks})
     aligned = all(list(best) == [t + 1] for t, best in best_index.items())
     in_place = list(best_shift) == [0]
-    passed = aligned and in_place and worst["max_rel"] <= tol and argmax_same >= 0.99 * positions
+    passed = aligned and in_place and worst["max_rel"] <= tol and worst["argmax_shortfall"] <= shortfall_tol
     if not in_place:
         d = max((d for d in best_shift if d), key=best_shift.get)
         summary = f"hidden states shifted by {d:+d} position (stored[t] matches hidden_states[t{-d:+d}])"
@@ -108,6 +117,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         summary = "taps match the wrong layers: " + ", ".join(f"tap {t} -> hidden_states{sorted(b)}" for t, b in best_index.items()
                                                              if list(b) != [t + 1])
     summary += (f"; max abs err {worst['max_abs']:.3g}, rel {worst['max_rel']:.3g} (tolerance {tol}); "
+                f"worst argmax shortfall {worst['argmax_shortfall']:.3g} (tolerance {shortfall_tol:g}); "
                 f"argmax agree {argmax_same / max(positions, 1):.4f}, top-k agree {topk_same / max(positions, 1):.4f}; "
                 f"kernels now {now}, recorded {'/'.join(map(str, recorded))}")
     if now not in recorded:
@@ -115,7 +125,8 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     return Check("recompute", passed, summary, {
         "best_hidden_state_index": {str(t): {str(j): c for j, c in b.items()} for t, b in best_index.items()},
         "best_position_shift": {str(d): c for d, c in best_shift.items()},
-        **worst, "argmax_agreement": argmax_same / max(positions, 1), "topk_agreement": topk_same / max(positions, 1),
+        **worst, "argmax_shortfall_tolerance": shortfall_tol,
+        "argmax_agreement": argmax_same / max(positions, 1), "topk_agreement": topk_same / max(positions, 1),
         "kernel_path_now": now, "kernel_path_recorded": recorded, "samples": len(picks),
         "picked": [f"{name} row {row}" for name, row in picks]})
 
