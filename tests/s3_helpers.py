@@ -74,6 +74,15 @@ class MotoServer:
             self.proc.kill()
 
 
+def use_server(monkeypatch, env: dict[str, str]) -> dict[str, str]:
+    """Point this process's S3 client at a test server for one test (`MotoServer.env`), with
+    short retries so a refused connection fails fast."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("DFLASH_S3_RETRY_SECONDS", "3")
+    return env
+
+
 def objects(client, bucket: str, prefix: str = "") -> dict[str, bytes]:
     """Every object under prefix (relative keys), read with boto3."""
     out = {}

@@ -33,7 +33,7 @@ from pipeline.cache.reader import CacheReader, open_cache
 from pipeline.cache.store_probe import check_create_if_absent
 from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
-from s3_helpers import ForgetfulRelay, MotoServer, needs_s3, objects
+from s3_helpers import ForgetfulRelay, MotoServer, needs_s3, objects, use_server
 from stages.extract import run_extract
 
 
@@ -233,10 +233,10 @@ def test_extract_refuses_a_store_that_ignores_create_if_absent(moto, forgetful, 
 @needs_s3
 def test_the_probe_costs_three_requests_and_passes_on_moto(moto, forgetful, monkeypatch):
     bucket = moto.new_bucket()
-    _aws_env(monkeypatch, moto.env())
+    use_server(monkeypatch, moto.env())
     probe = check_create_if_absent(open_location(f"s3://{bucket}/hs"))
     assert objects(moto.client(), bucket) == {}
-    _aws_env(monkeypatch, moto.env(forgetful.endpoint))
+    use_server(monkeypatch, moto.env(forgetful.endpoint))
     with pytest.raises(PipelineError, match="does not honour create-if-absent"):
         check_create_if_absent(open_location(f"s3://{bucket}/hs"))
     methods = [m for m, _, _ in forgetful.requests]
@@ -255,7 +255,7 @@ def test_a_replaced_manifest_is_seen_on_such_a_store(moto, forgetful, twelve_row
     theirs = dataclasses.replace(reference, identity=dataclasses.replace(reference.identity, capture=theirs_capture),
                                  shards={})
     mine = dataclasses.replace(reference, shards={})
-    _aws_env(monkeypatch, moto.env(forgetful.endpoint))
+    use_server(monkeypatch, moto.env(forgetful.endpoint))
     location = open_location(f"s3://{bucket}/hs")
     first, created_first = create_manifest(location, mine)
     second, created_second = create_manifest(location, theirs)
@@ -272,24 +272,9 @@ def test_cache_local_copies_refuse_a_mixed_bucket(moto, mixed, tmp_path, monkeyp
     for path in sorted(p for p in mixed.rglob("*") if p.is_file()):
         client.put_object(Bucket=bucket, Key=f"hs/{path.relative_to(mixed).as_posix()}", Body=path.read_bytes())
     url = f"s3://{bucket}/hs"
-    _aws_env(monkeypatch, moto.env())
+    use_server(monkeypatch, moto.env())
     with pytest.raises(PipelineError) as e:
         open_cache(url, local=tmp_path / "copies", local_size="1G")
     _assert_names_the_shard(str(e.value), url)
     assert not list(tmp_path.glob("copies/**/shard-*"))  # refused before any shard was copied
 
-
-def _aws_env(monkeypatch, env: dict[str, str]) -> None:
-    """The AWS_* variables of a test server, for this test (what a user sets to reach it)."""
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("DFLASH_S3_RETRY_SECONDS", "3")
-
-
-def test_eval_refuses_it_before_decoding(mixed, trained_run):
-    result = cli_here("eval", "--drafter", str(trained_run["run"]), "--cache", str(mixed), "--limit", "1")
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    _assert_names_the_shard(lines[0], mixed)
-    assert "tau" not in result.stdout  # nothing was decoded

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from extract_helpers import REPO, assert_same_content, manifest_json
-from s3_helpers import KEY_ID, SECRET, MotoServer, Outage, download, needs_s3, objects
+from s3_helpers import KEY_ID, SECRET, MotoServer, Outage, download, needs_s3, objects, use_server
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify
@@ -35,10 +35,7 @@ def server():
 
 @pytest.fixture
 def s3_env(server, monkeypatch):
-    for key, value in server.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("DFLASH_S3_RETRY_SECONDS", "3")
-    return server.env()
+    return use_server(monkeypatch, server.env())
 
 
 @pytest.fixture(scope="module")
