@@ -77,8 +77,9 @@ class Rehearsal:
                   "peak_rss_gb": round(rss_kb / 2**20, 2) if rss_kb else None, "exit": done.returncode}
         self.stages.append(record)
         print(f"[rehearsal] {name}: exit {done.returncode}, {wall:.0f} s, {record['peak_rss_gb']} GB", file=sys.stderr)
+        if done.returncode != 0:
+            record["stderr"] = done.stderr[-1500:]  # a planted kill leaves little; anything else says why
         if (done.returncode == 0) == killed:
-            record["stderr"] = done.stderr[-3000:]
             raise SystemExit(json.dumps({"failed": record, "stages": self.stages}, indent=2))
         if json_out and done.stdout.strip():
             try:

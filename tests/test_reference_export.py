@@ -61,6 +61,20 @@ def test_export_records_the_layer_kinds_as_qwen3config_reads_them(tmp_path):
     torch.testing.assert_close(loaded.fc.weight, model.fc.weight.to(torch.bfloat16).float())
 
 
+def test_a_drafter_without_sliding_layers_reads_back_as_its_config(tmp_path):
+    """A run may set sliding_window (a preset does) with every layer full; the export writes no
+    window then, so the config it reads back, which resume compares with the run's, must be the
+    run's own (resuming such a run was refused)."""
+    torch.manual_seed(0)
+    config = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5], num_target_layers=8,
+                           mask_token_id=V - 1, block_size=6, layer_types=["full_attention"], sliding_window=2048)
+    model = DFlashDrafter(config, embed=torch.nn.Embedding(V, H), lm_head=torch.nn.Linear(H, V, bias=False))
+    export_drafter(model, tmp_path / "d")
+    assert read_config(tmp_path / "d") == model.config
+    assert model.config.window(0) is None
+
+
 def test_a_window_without_use_sliding_window_is_refused(tmp_path):
     """Qwen3Config drops `sliding_window` unless `use_sliding_window` is true; sliding layers
     without a window would run unwindowed in transformers and fail in vLLM: one-line error."""

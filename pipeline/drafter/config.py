@@ -41,6 +41,11 @@ class DrafterConfig:
             raise ValueError(f"layer_types: unknown kind {unknown[0]!r} (expected {FULL!r} or {SLIDING!r})")
         if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
             raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
+        if SLIDING not in self.layer_types:
+            # A window with no sliding layer means nothing, and the export does not write one: kept,
+            # it made a checkpoint of such a drafter differ from its own run's config, so resuming
+            # it was refused (found by the flagship rehearsal's one-layer drafter).
+            self.sliding_window = None
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
