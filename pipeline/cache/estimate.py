@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from pipeline.cache.extract_record import cache_dims, chunking
-from pipeline.cache.schema import array_specs, per_shard_files, token_bytes
+from pipeline.cache.schema import array_specs, per_shard_files, raw_shard_bytes, token_bytes
 from pipeline.config import ExtractConfig
 from pipeline.data.conversations import resolve_data
 from pipeline.data.loss_mask import ConversationMasker
@@ -76,9 +76,7 @@ def estimate_extraction(inputs: ExtractionInputs, *, assume_tokens_per_s: float 
     cfg, facts, taps = inputs.cfg, inputs.facts, inputs.taps
     dims = cache_dims(cfg, facts, taps)
     layout = chunking(cfg)
-    specs = array_specs(cfg.hidden_format)
-    per_token = {s.name: token_bytes(s, dims) for s in specs if s.per == "token"}
-    per_sample = {s.name: token_bytes(s, dims) for s in specs if s.per == "sample"}
+    per_token = {s.name: token_bytes(s, dims) for s in array_specs(cfg.hidden_format) if s.per == "token"}
     num_rows = inputs.dataset["num_rows"]
     shards, totals = [], {"rows": 0, "samples": 0, "tokens": 0, "supervised_tokens": 0, "truncated": 0,
                           "overlong_skipped": 0, "no_supervised_tokens": 0, "malformed": 0, "reasoning_tokens": 0,
@@ -89,8 +87,7 @@ def estimate_extraction(inputs: ExtractionInputs, *, assume_tokens_per_s: float 
         samples, counts = prepare_samples(cfg, inputs.paths, rows, inputs.masker, facts.vocab_size,
                                           inputs.dataset["index"])
         tokens = sum(len(ids) for _, ids, _ in samples)
-        raw = tokens * sum(per_token.values()) + sum(
-            per_sample[spec.name] * spec.length(samples=len(samples), tokens=tokens) for spec in specs if spec.per == "sample")
+        raw = raw_shard_bytes(cfg.hidden_format, dims, samples=len(samples), tokens=tokens)
         files = (layout.files(cfg.hidden_format, dims, tokens) + per_shard_files(cfg.hidden_format)) if samples else 0
         if not samples:
             empty.append(shard)

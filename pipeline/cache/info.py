@@ -16,7 +16,7 @@ from collections import Counter
 from pipeline.cache.identity import shard_field_name
 from pipeline.cache.location import Location
 from pipeline.cache.manifest import Manifest, read_manifest
-from pipeline.cache.schema import array_specs, per_shard_files, token_bytes
+from pipeline.cache.schema import per_shard_files, raw_shard_bytes
 from pipeline.errors import PipelineError
 
 # Summed over the committed shards' records (pipeline/data/samples.py writes them per shard).
@@ -140,11 +140,10 @@ def _counts(records) -> dict:
 
 def _bytes(manifest: Manifest, records) -> dict:
     capture = manifest.identity.capture
-    dims, specs = capture.dims(), array_specs(capture.hidden_format)
     tokens = sum(r.tokens for r in records)
     stored = sum(r.bytes for r in records)
     # The arrays' bytes before compression, by the schema (what `extract --dry-run` estimates).
-    raw = sum(token_bytes(spec, dims) * spec.length(samples=r.samples, tokens=r.tokens) for r in records for spec in specs)
+    raw = sum(raw_shard_bytes(capture.hidden_format, capture.dims(), samples=r.samples, tokens=r.tokens) for r in records)
     return {"stored": stored, "files": sum(r.files for r in records),
             "per_token": stored / tokens if tokens else None,
             "raw": raw, "raw_per_token": raw / tokens if tokens else None,

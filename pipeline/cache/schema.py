@@ -211,6 +211,12 @@ class Chunking:
             + sum(1 for s in array_specs(hidden_format) if s.per == "sample")
 
 
+def raw_shard_bytes(hidden_format: str, dims: dict[str, int], *, samples: int, tokens: int) -> int:
+    """Every array of a shard of this many samples and tokens, uncompressed (shape x itemsize):
+    what `extract --dry-run` estimates and `cache-info` compares stored bytes with."""
+    return sum(token_bytes(s, dims) * s.length(samples=samples, tokens=tokens) for s in array_specs(hidden_format))
+
+
 # Besides data files a shard holds: the group's and each array's zarr.json, and digests.json.
 def per_shard_files(hidden_format: str) -> int:
     return 1 + len(array_specs(hidden_format)) + 1
