@@ -105,7 +105,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     identity = cache_identity(manifest)
 
     at, resumed = resume_position(out, resume=resume, cfg=cfg, identity=identity, drafter=drafter,
-                                  optimizer=optimizer, device=device)
+                                  optimizer=optimizer)
     start_step = at.step
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -125,8 +125,10 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
 
     trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))
     if world > 1:
+        # Gradients as views of DDP's all-reduce buckets: one copy of them instead of two (1.8 GB a
+        # rank for one drafter layer at hidden 5120); the update is the same.
         trainer.model = torch.nn.parallel.DistributedDataParallel(
-            drafter, device_ids=[device.index] if device.type == "cuda" else None)
+            drafter, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     verdicts = LiveVerdicts(total_steps=plan.total_steps, warmup_steps=plan.warmup_steps, peak_lr=cfg.lr,
                             vocab_size=config.vocab_size, every=cfg.verdict_every)

@@ -23,6 +23,7 @@ from pipeline.cache.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.cache.manifest import Manifest
 from pipeline.config import TrainConfig
 from pipeline.drafter.export import export_drafter, read_config
+from pipeline.drafter.plan import gathered_state
 from pipeline.drafter.step import all_sum
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
@@ -41,7 +42,8 @@ def checkpoint_dir(run: Path) -> Path:
     return run / "checkpoints"
 
 
-def save_checkpoint(run: Path, *, step: int, drafter, optimizer, state: dict, keep: int) -> Path:
+def save_checkpoint(run: Path, *, step: int, drafter, optimizer_state: dict, state: dict, keep: int) -> Path:
+    """`optimizer_state`: the whole state (plan.gathered_state), as plain AdamW's state_dict()."""
     root = checkpoint_dir(run)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step-*.tmp*"):
@@ -51,7 +53,7 @@ def save_checkpoint(run: Path, *, step: int, drafter, optimizer, state: dict, ke
     try:
         tmp.mkdir()
         export_drafter(drafter, tmp / "drafter")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -104,7 +106,7 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def load_checkpoint(path: Path, *, drafter, optimizer, device) -> None:
+def load_checkpoint(path: Path, *, drafter, optimizer) -> None:
     """Restore drafter, optimizer and RNG in place (the trainer state is `read_state`'s)."""
     from safetensors.torch import load_file
 
@@ -121,7 +123,10 @@ def load_checkpoint(path: Path, *, drafter, optimizer, device) -> None:
         raise PipelineError(f"{path}/drafter/model.safetensors: names or shapes differ from this run's drafter")
     drafter.load_state_dict(weights)
     try:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+        # Mapped, not read: with several ranks each keeps only the state of the parameters it
+        # owns (ZeroRedundancyOptimizer), so the rest is never paged in; the optimizer moves
+        # what it keeps to its parameters' device.
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True))
         rng = torch.load(path / "rng.pt", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable or unsafe file is a clear user error
         raise PipelineError(f"{path}: optimizer or RNG state unreadable ({type(e).__name__}: {e})") from None
@@ -144,7 +149,7 @@ class Position:
     tokens0: int = 0
 
 
-def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict, drafter, optimizer, device
+def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict, drafter, optimizer
                     ) -> tuple[Position, bool]:
     """(where the run starts, whether it resumed): the last checkpoint under `out` loaded into the
     drafter and optimizer when there is one and it may be resumed (same config but for
@@ -156,7 +161,7 @@ def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict
         raise PipelineError(f"{out}: has checkpoints up to {found[-1].name}; resume (the default) or choose a new --out")
     state = read_state(found[-1])
     check_resumable(found[-1], state, cfg, identity)
-    load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer, device=device)
+    load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer)
     return Position(step=state["step"], epoch=state["epoch"], position=state["position"],
                     elapsed0=state.get("elapsed_s", 0.0), tokens0=state.get("tokens_seen", 0)), True
 
@@ -182,14 +187,13 @@ def check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -
 
 def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world,
                       device):
-    """Rank 0 writes the checkpoint (the optimizer state consolidated to it first); every rank
+    """Rank 0 writes the checkpoint (the optimizer state gathered to it first); every rank
     learns whether that failed."""
     failure = None
-    if world > 1:
-        optimizer.consolidate_state_dict(to=0)  # a collective: rank 0 then holds the whole state
+    optimizer_state = gathered_state(optimizer, rank, world, device)  # a collective: None but on rank 0
     if rank == 0:
         try:
-            save_checkpoint(out, step=step, drafter=drafter, optimizer=optimizer, keep=cfg.keep_checkpoints,
+            save_checkpoint(out, step=step, drafter=drafter, optimizer_state=optimizer_state, keep=cfg.keep_checkpoints,
                             state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
                                    "world_size": world, "config": asdict(cfg), "cache": identity})
         except PipelineError as e:
