@@ -70,6 +70,65 @@ def conversation(rng: random.Random, k: int) -> dict:
     return row
 
 
+def exchange(rng: random.Random, k: int) -> list[dict]:
+    """One user request and the assistant's whole answer to it (reasoning, tool calls and their
+    replies): a piece of a longer agent session."""
+    a, b, c = rng.randint(2, 900), rng.randint(2, 900), rng.randint(2, 9)
+    word = rng.choice(WORDS)
+    spelled = "-".join(word)
+    if k % 3 == 0:
+        return [{"role": "user", "content": f"What is {a} plus {b}, times {c}? Use the tool for the sum."},
+                {"role": "assistant", "reasoning_content": f"The user asks for ({a} + {b}) x {c}. The add tool gives the "
+                 f"sum; I multiply by {c} myself afterwards. First the sum.", "content": None,
+                 "tool_calls": [tool_call("add", {"a": a, "b": b})]},
+                {"role": "tool", "tool_call_id": "call_1", "content": str(a + b)},
+                {"role": "assistant", "reasoning_content": f"The tool says {a} + {b} = {a + b}. Times {c}: {a + b} x {c} = "
+                 f"{(a + b) * c}. I check: {(a + b) * c} / {c} = {a + b}. Correct.",
+                 "content": f"({a} + {b}) x {c} = {a + b} x {c} = {(a + b) * c}."}]
+    if k % 3 == 1:
+        return [{"role": "user", "content": f"Spell '{word}' with the tool, then tell me how many letters it has."},
+                {"role": "assistant", "reasoning_content": f"I call lookup for '{word}', then count the letters it returns.",
+                 "content": "Let me look it up.", "tool_calls": [tool_call("lookup", {"word": word})]},
+                {"role": "tool", "tool_call_id": "call_1", "content": spelled},
+                {"role": "assistant", "reasoning_content": f"The tool spelled {spelled}: that is {len(word)} letters, "
+                 f"separated by {len(word) - 1} hyphens.", "content": f"'{word}' is spelled {spelled}; it has {len(word)} letters."}]
+    return [{"role": "user", "content": f"Without tools: is {a} larger than {b}, and by how much?"},
+            {"role": "assistant", "reasoning_content": f"I compare {a} and {b}. The difference is {abs(a - b)}, so "
+             f"{max(a, b)} is the larger one" + (" (they are equal)" if a == b else "") + ".",
+             "content": f"{max(a, b)} is larger by {abs(a - b)}." if a != b else f"They are equal: {a}."}]
+
+
+def session(rng: random.Random, exchanges: int) -> dict:
+    """A long agent session: a system prompt with the tools, then `exchanges` requests answered
+    in turn (as an agent's transcript grows)."""
+    messages = [{"role": "system", "content": "You are a careful assistant. Use the tools when asked; show your "
+                 "arithmetic when you do it yourself."}]
+    for k in range(exchanges):
+        messages += exchange(rng, k)
+    return {"messages": messages, "tools": TOOLS, "generated_by": "hand-written (benchmarks/conversations.py)"}
+
+
+def write_sessions(path: Path, rows: int, count_tokens, *, shortest: int = 300, longest: int = 2000,
+                   seed: int = 0) -> Path:
+    """`rows` agent sessions whose lengths (`count_tokens(row)`, tokens with the real template)
+    are spread from about `shortest` to about `longest`: each grows by one exchange until it
+    reaches its target."""
+    rng = random.Random(seed)
+    targets = [shortest + (longest - shortest) * i // max(rows - 1, 1) for i in range(rows)]
+    with open(path, "w", encoding="utf-8") as f:
+        for target in targets:
+            exchanges = 1
+            while True:
+                state = rng.getstate()
+                row = session(rng, exchanges)
+                if count_tokens(row) >= target or exchanges >= 200:
+                    break
+                rng.setstate(state)
+                exchanges += 1
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
 def write_dataset(path: Path, rows: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 """The real Qwen3.6 tokenizer at the real vocabulary: peak memory and wall time of each command.
 
     python benchmarks/real_vocab.py --fixtures ../shared/fixtures --work DIR [--repo DIR] [--stages] [--memory]
-        [--lengths 256,1024,4096] [--batches 1,8] [--limit-gb 21] [--json]
+        [--lengths 256,1024,4096] [--batches 1,8] [--limit-gb 21] [--target DIR --drafter RUN --dtype bfloat16] [--json]
 
 Builds (once, into --work) a random-weight `Qwen3_5ForCausalLM` of Qwen3.6-27B's vocabulary
 (248,320) with the embedded target's layer layout at hidden 64, the real Qwen3.5/3.6 tokenizer
@@ -138,7 +138,10 @@ def stages(repo: Path, work: Path, target: Path) -> dict:
     return results
 
 
-def memory(repo: Path, work: Path, target: Path, lengths: list[int], batches: list[int], limit_gb: float) -> dict:
+def memory(repo: Path, work: Path, target: Path, lengths: list[int], batches: list[int], limit_gb: float, *,
+           drafter: Path | None = None, dtype: str | None = None) -> dict:
+    """Peak RSS of eval and generate per prompt length and batch; `drafter`: a trained run to
+    evaluate (default: WORK/run, trained by --stages); `dtype`: passed to both commands."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -148,7 +151,7 @@ def memory(repo: Path, work: Path, target: Path, lengths: list[int], batches: li
         for batch in batches:
             for command in ("eval", "generate"):
                 if command == "eval":
-                    args = ["eval", "--drafter", str(work / "run"), "--target", str(target), "--prompts", str(prompts),
+                    args = ["eval", "--drafter", str(drafter or work / "run"), "--target", str(target), "--prompts", str(prompts),
                             "--limit", str(batch), "--batch-size", str(batch), "--max-new-tokens", "4", "--tree-budget", ""]
                 else:
                     out = work / f"mem-{length}-{batch}.jsonl"
@@ -157,7 +160,7 @@ def memory(repo: Path, work: Path, target: Path, lengths: list[int], batches: li
                     limited.write_text("".join(prompts.read_text().splitlines(keepends=True)[:batch]))
                     args = ["generate", "--data", str(limited), "--out", str(out), "--target", str(target),
                             "--batch-size", str(batch), "--max-new-tokens", "4"]
-                r = run(repo, args, limit_gb=limit_gb)
+                r = run(repo, [*args, *(["--dtype", dtype] if dtype else [])], limit_gb=limit_gb)
                 r.pop("stdout", None)
                 runs.append({"command": command, "prompt_tokens": length, "batch": batch, **r})
                 print(json.dumps(runs[-1]), file=sys.stderr)
@@ -186,6 +189,12 @@ def main() -> None:
     parser.add_argument("--lengths", default="256,1024,4096", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--limit-gb", type=float, default=21.0, help="address-space cap per memory run (GB)")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="measure this target instead of building the hidden-64 one (e.g. the rehearsal's "
+                             "flagship-width target: benchmarks/rehearsal.py --keep)")
+    parser.add_argument("--drafter", type=Path, default=None, help="--memory: evaluate this training run's drafter "
+                        "(default: WORK/run, trained by --stages)")
+    parser.add_argument("--dtype", default=None, help="--memory: the compute dtype of eval and generate (e.g. bfloat16)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args()
     if not (args.fixtures / "tokenizers" / "qwen3.6").is_dir():
@@ -193,12 +202,13 @@ def main() -> None:
     lengths = positive_ints(parser, "--lengths", args.lengths)
     batches = positive_ints(parser, "--batches", args.batches)
     args.work.mkdir(parents=True, exist_ok=True)
-    target = build(args.work, args.fixtures)
+    target = args.target or build(args.work, args.fixtures)
     result = {"repo": str(args.repo), "target": str(target)}
     if args.stages:
         result["stages"] = stages(args.repo.resolve(), args.work.resolve(), target.resolve())
     if args.memory:
-        result["memory"] = memory(args.repo.resolve(), args.work.resolve(), target.resolve(), lengths, batches, args.limit_gb)
+        result["memory"] = memory(args.repo.resolve(), args.work.resolve(), target.resolve(), lengths, batches, args.limit_gb,
+                                  drafter=args.drafter and args.drafter.resolve(), dtype=args.dtype)
     print(json.dumps(result, indent=1))
 
 

@@ -1,15 +1,17 @@
 """The flagship dress rehearsal (issue 40, DESIGN 12): every stage at Qwen3.6-27B's real widths,
 each a real CLI subprocess as a user types it, on a CPU.
 
-    python benchmarks/rehearsal.py [--layers 8] [--rows 4] [--work DIR] [--keep] [--drafter-layers 1]
+    python benchmarks/rehearsal.py [--layers 8] [--rows 3] [--work DIR] [--keep] [--drafter-layers 1]
+                                   [--train-ranks 2]
 
 What runs (random bf16 weights: the point is shapes, memory and plumbing, not predictions):
 1. The target: Qwen3.6-27B's own text config cut to `--layers` (pipeline/toy/random_target.py
    `--flagship-layers`), the real Qwen3.6 tokenizer and chat template from the shared fixtures.
-2. Data: `--rows` agent conversations (reasoning, tool calls, tool replies; benchmarks/
-   conversations.py); `pipeline generate` (in-process) rewrites the first two first, as a user
-   would (a random target rarely ends a turn: such rows are dropped and counted, which is what
-   generate does with any unfinished turn).
+2. Data: `--rows` agent sessions of about 300 to 2,000 tokens (a system prompt with tools, then
+   requests answered with reasoning, tool calls and tool replies; benchmarks/conversations.py);
+   `pipeline generate` (in-process) rewrites the first one's last turn first, as a user would (a
+   random target rarely ends a turn: such rows are dropped and counted, which is what generate
+   does with any unfinished turn, and the row is kept as written).
 3. Stage one: `extract --dry-run`; `torchrun --nproc-per-node 8 pipeline extract --tp 8` (gloo)
    into a bucket of moto's S3 server on 127.0.0.1, bf16 and fp8; the same rows at tp 1 into a
    directory; the caches compared with each other and with a plain transformers forward;
@@ -17,24 +19,23 @@ What runs (random bf16 weights: the point is shapes, memory and plumbing, not pr
 4. Stage two: the reference drafter geometry at hidden 5120 (32 q / 8 kv heads of 128,
    intermediate 17,408, block 16, mask id 248070) with `--drafter-layers` layers (sliding 2048
    for all but the last, which is full) and 4 anchors a sequence, from the bf16 bucket: one rank
-   uninterrupted; `--train-ranks` ranks (2) killed (SIGKILL right after the step-2 checkpoint),
+   uninterrupted; `--train-ranks` ranks killed (SIGKILL right after the step-2 checkpoint),
    resumed and killed again after the step-4 one, then finished on one rank; its log against the
-   uninterrupted run's. Two ranks at 5120 take about 13 GB each (anonymous memory, measured): on a
-   24 GB machine the OOM killer stops them, so run `--train-ranks 1` there (the world-size change
-   itself is tested at small width: tests/test_train.py `test_resume_on_another_number_of_ranks`).
+   uninterrupted run's.
 5. Export and use: the export against the keys serving engines read (and strictly loaded into the
    z-lab reference class where DFLASH_REFERENCE_SRC names a checkout); `pipeline eval` on 2
    prompts, block and DDTree, `--batch-size 2`: lossless.
 
-Reduced to fit 2 cores and 24 GB, and why: 8 layers instead of 64 (the 11 GB target is loaded by
-every stage; 8 is the least depth whose default 5 taps are distinct, DESIGN 3.1); compute in bf16
-(this CPU multiplies bf16 5x faster than fp32); a few short rows (about 40 tokens a second at tp 1
-and 11 at tp 8 on 2 cores); the drafter's depth (fp32 weights, gradients and AdamW state of one
-layer at 5120 are 5.4 GB a rank, 13 GB a rank with the frozen embedding and lm_head and the
-rest).
+Reduced to fit 2 cores and 24 GB in about half an hour, and why: 8 layers instead of 64 (the
+11 GB target is loaded by every stage; 8 is the least depth whose default 5 taps are distinct,
+DESIGN 3.1); compute in bf16 (this CPU multiplies bf16 5x faster than fp32); 3 sessions instead
+of a few dozen (about 35 tokens a second at tp 1 and 15 at tp 8 on 2 cores); one drafter layer
+and 4 anchors (fp32 weights, gradients and AdamW state of one layer at 5120 are about 8 GB a rank
+with two ranks).
 
-Prints one JSON document (each stage: command, wall seconds, peak RSS of its largest process,
-result) and exits 1 at the first stage that fails.
+Prints one JSON document (each stage: command, wall seconds, the peak RSS and peak anonymous
+memory of its largest process, each rank's for torchrun, result) and exits 1 at the first stage
+that fails.
 """
 
 from __future__ import annotations
@@ -172,9 +173,22 @@ def torchrun(n: int, *args: str) -> list[str]:
             "--master-port", str(29600 + os.getpid() % 300), "-m", "cli", *args]
 
 
-def write_data(path: Path, rows: int) -> Path:
-    from conversations import write_dataset
-    return write_dataset(path, rows)
+def write_data(path: Path, rows: int, target: Path, longest: int) -> Path:
+    """`rows` agent sessions (a system prompt with tools; requests answered with reasoning, tool
+    calls and tool replies) from about 300 to about `longest` tokens with the target's real
+    tokenizer and chat template, counted as extract renders them (thinking on)."""
+    from conversations import write_sessions
+    from transformers import AutoTokenizer
+
+    from pipeline.data.conversations import parse_row
+    from pipeline.data.loss_mask import ConversationMasker
+
+    masker = ConversationMasker(AutoTokenizer.from_pretrained(target), "<|im_end|>", {"enable_thinking": True})
+
+    def tokens(obj: dict) -> int:
+        row = parse_row(0, str(path), obj)
+        return len(masker(row.messages, tools=row.tools, where=str(path)).input_ids)
+    return write_sessions(path, rows, tokens, longest=longest)
 
 
 def compare_caches(tp1: str, tp8: str, target: Path) -> dict:
@@ -250,10 +264,12 @@ def export_check(drafter: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="target depth (a multiple of 4; 8 keeps 5 distinct default taps)")
-    parser.add_argument("--rows", type=int, default=4, help="agent conversations extracted")
+    parser.add_argument("--rows", type=int, default=3, help="agent sessions extracted (about 300 to 2,000 tokens each)")
+    parser.add_argument("--longest", type=int, default=2000, help="tokens of the longest session (about)")
     parser.add_argument("--drafter-layers", type=int, default=1, help="drafter depth at hidden 5120 (memory: ~5.4 GB a layer a rank)")
     parser.add_argument("--train-ranks", type=int, default=2,
-                        help="ranks of the killed training segments (2 at hidden 5120 needs about 28 GB: 13 GB a rank)")
+                        help="ranks of the killed training segments (2 at hidden 5120 with one drafter layer: about 8 GB "
+                             "of anonymous memory a rank and the frozen 5 GB embedding and lm_head shared)")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (the 11 GB target is reused by a rerun)")
     args = parser.parse_args()
@@ -269,7 +285,8 @@ def main() -> None:
     bucket = server.new_bucket()
     env = {**server.env(relay.endpoint), "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "200"}
     r = Rehearsal(work, env)
-    summary: dict = {"work": str(work), "layers": args.layers, "rows": args.rows, "drafter_layers": args.drafter_layers}
+    summary: dict = {"work": str(work), "layers": args.layers, "rows": args.rows, "longest": args.longest,
+                     "drafter_layers": args.drafter_layers, "train_ranks": args.train_ranks}
     try:
         target = work / "target"
         if not (target / "model.safetensors").is_file():
@@ -277,14 +294,14 @@ def main() -> None:
                              "--template", str(template), "--out", str(target), "--flagship-layers", str(args.layers)],
                   json_out=False)
         (work / "extract.toml").write_text('[extract]\ncompute_dtype = "bfloat16"\n')
-        data = write_data(work / "convs.jsonl", args.rows)
+        data = write_data(work / "convs.jsonl", args.rows, target, args.longest)
         rows = data.read_text().splitlines()
-        (work / "first.jsonl").write_text("\n".join(rows[:2]) + "\n")
+        (work / "first.jsonl").write_text(rows[0] + "\n")
         generated = r.run("generate", pipeline("generate", "--data", str(work / "first.jsonl"), "--out",
                                               str(work / "regen.jsonl"), "--target", str(target), "--max-new-tokens", "8",
-                                              "--dtype", "bfloat16", "--json"))
+                                              "--turns", "last", "--dtype", "bfloat16", "--json"))
         regenerated = (work / "regen.jsonl").read_text().splitlines() if (work / "regen.jsonl").is_file() else []
-        (work / "data.jsonl").write_text("\n".join([*regenerated, *rows[2:]] if regenerated else rows) + "\n")
+        (work / "data.jsonl").write_text("\n".join([*regenerated, *rows[1:]] if regenerated else rows) + "\n")
         summary["generate"] = {k: generated.get(k) for k in ("rows", "rows_written", "dropped_unfinished")}
 
         common = ["--config", str(work / "extract.toml"), "--target", str(target), "--data", str(work / "data.jsonl"),

@@ -24,6 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.speculative.compare import decode_variants
 from pipeline.speculative.decode import TREE_VERIFY, choose_tree_verify
 from pipeline.speculative.summary import summarise
+from pipeline.speculative.ties import judge_departures
 from pipeline.target import end_of_turn_ids, frozen_target_modules, load_model, load_tokenizer, read_target_facts, resolve_target
 from pipeline.target.internals import takes_mask
 from pipeline.target.live import LiveTarget
@@ -94,6 +95,9 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         live, drafter, [item["ids"] for item in items], max_new=max_new_tokens, eos=eos, tree_budgets=tree_budgets,
         tree_top_k=tree_top_k, tree_verify=tree_verify, batch_size=batch_size, progress=progress)
     greedy_tokens = sum(len(r.tokens) for r in reference)
+    prompt_ids = [item["ids"] for item in items]
+    departures = {variant: judge_departures(live, prompt_ids, runs, reference, dtype_)
+                  for variant, runs in [("block", blocks), *trees.items()]}
     extra = {}
     if cache_reader is not None:
         extra["teacher_forced"] = teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
@@ -107,10 +111,12 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         "tree_verify": tree_verify, "tree_verify_reason": tree_verify_reason, "batch_size": batch_size,
         "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
-        "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block),
-        "tree": {str(b): {**summarise(trees[b], reference, seconds[f"tree{b}"], seconds["greedy"], block), "top_k": tree_top_k}
+        "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block, departures["block"]),
+        "tree": {str(b): {**summarise(trees[b], reference, seconds[f"tree{b}"], seconds["greedy"], block,
+                                      departures[b]), "top_k": tree_top_k}
                  for b in tree_budgets},
-        "lossless": all(r.tokens == g.tokens for runs in [blocks, *trees.values()] for r, g in zip(runs, reference)),
+        # Lossless: every output is greedy's, or first departs from it at a tie of the target (ties.py).
+        "lossless": not any(not d.tie for found in departures.values() for d in found),
     }
     if report_to:
         result["reported_to"] = {"trackers": report_to,

@@ -1,5 +1,5 @@
 """The frozen embedding and lm_head that training and eval take from the target's safetensors:
-the values safetensors itself reads, mapped from the file when stored in the wanted dtype (so two
+the values safetensors itself reads, left mapped from the file when stored in the wanted dtype (so two
 ranks of one node share one page-cache copy: issue 40, 5 GB a rank at the flagship vocabulary),
 never written back to the checkpoint."""
 
@@ -89,5 +89,5 @@ def test_no_embedding_is_one_line(tmp_path):
 
 def test_a_broken_header_names_the_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((12).to_bytes(8, "little") + b"not json....")
-    with pytest.raises(PipelineError, match="model.safetensors: not a safetensors file"):
+    with pytest.raises(PipelineError, match="model.safetensors: not a readable safetensors file"):
         frozen_target_modules(tmp_path, torch.bfloat16)

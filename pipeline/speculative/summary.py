@@ -1,22 +1,29 @@
 """One decoding variant's results over all prompts, summarised against greedy decoding: tau (the
 mean of per-response means, as the DFlash paper reports it, and pooled over all verify steps),
-the acceptance histogram, target passes and wall time, and whether every output is greedy's."""
+the acceptance histogram, target passes and wall time, and whether every output is greedy's (or
+departs from it only at a tie of the target: pipeline/speculative/ties.py)."""
 
 from __future__ import annotations
 
 import statistics
 
 from pipeline.speculative.decode import Decoded
+from pipeline.speculative.ties import Departure
 
 
-def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, greedy_seconds: float, block: int) -> dict:
+def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, greedy_seconds: float, block: int,
+              departures: list[Departure] = ()) -> dict:
+    """`departures`: the judged differences from greedy (ties.judge_departures); a prompt whose
+    output differs and is not among them counts as a mismatch."""
     per_response = [statistics.mean(a + 1 for a in r.accepted) for r in runs if r.accepted]
     steps = [a + 1 for r in runs for a in r.accepted]
     tokens = sum(len(r.tokens) for r in runs)
     histogram = {str(k): 0 for k in range(1, block + 1)}
     for s in steps:
         histogram[str(s)] = histogram.get(str(s), 0) + 1
-    mismatches = [i for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens]
+    ties = [d for d in departures if d.tie]
+    tied = {d.prompt for d in ties}
+    mismatches = [i for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens and i not in tied]
     return {
         "tau_mean_of_means": statistics.mean(per_response) if per_response else 0.0,
         "tau_pooled": statistics.mean(steps) if steps else 0.0,
@@ -26,5 +33,7 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
         "target_passes_per_token": sum(r.target_passes for r in runs) / max(tokens, 1),
         "tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
         "speedup_vs_greedy": greedy_seconds / max(seconds, 1e-9),
-        "identical_to_greedy": len(runs) - len(mismatches), "mismatched_prompts": mismatches[:20],
+        "identical_to_greedy": len(runs) - len(mismatches) - len(tied), "mismatched_prompts": mismatches[:20],
+        "departed_at_ties": len(tied), "ties": [d.record() for d in ties[:20]],
+        "mismatches": [d.record() for d in departures if not d.tie][:20],
     }

@@ -67,53 +67,16 @@ def load_target_model(target_dir: Path, dtype, device, layout, num_kv_heads: int
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
-# safetensors dtype names -> torch dtypes, for the tensors mapped in place below.
-_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
-
-
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header, byte offset of the data) of a safetensors file: an 8-byte little-endian length,
-    that many bytes of JSON, then the tensors' bytes (the format's own specification)."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PipelineError(f"{path}: not a safetensors file (its header does not parse: {e})") from None
-    return header, 8 + size
-
-
-def _mapped_tensor(path: Path, name: str, dtype):
-    """Tensor `name` of a safetensors file, `dtype`: mapped from the file in place when it is
-    stored in that dtype, else read and cast. Mapped pages stay the page cache's: ranks of one
-    node share one copy of the frozen 5 GB (vocab 248,320 x 5120, bf16) instead of each holding
-    its own in anonymous memory, which is what `safe_open(...).get_tensor` gives (it copies).
-    The mapping is private (copy-on-write): nothing is ever written back to the checkpoint."""
-    import mmap
-
-    import torch
-
-    header, data_start = _safetensors_header(path)
-    info = header[name]
-    stored = getattr(torch, _SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
-    begin, end = info["data_offsets"]
-    if stored is None or stored != dtype or (data_start + begin) % stored.itemsize:
-        from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
-            return f.get_tensor(name).to(dtype)
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    flat = torch.frombuffer(mapping, dtype=stored, count=(end - begin) // stored.itemsize, offset=data_start + begin)
-    return flat.view(info["shape"])  # the tensor keeps the mapping alive
-
-
 def frozen_target_modules(target_dir: Path, dtype=None):
     """(embed_tokens, lm_head) of the target, read from its safetensors (nothing else is loaded),
     frozen, in `dtype` (float32 unless told) once: the compute dtype, since bf16 halves their 5 GB
     each at the flagship vocabulary and nothing casts them per step. Stored in that dtype, they
-    are mapped from the file rather than copied (`_mapped_tensor`). A checkpoint without an
+    stay mapped from the file as safetensors gives them (not copied): ranks of one node share one
+    page-cache copy instead of each holding 5 GB of anonymous memory. A checkpoint without an
     lm_head weight has it tied to the embedding."""
     import torch
+
+    from safetensors import safe_open
 
     dtype = dtype or torch.float32
     index = target_dir / "model.safetensors.index.json"
@@ -125,9 +88,13 @@ def frozen_target_modules(target_dir: Path, dtype=None):
             path = target_dir / (files.get(name, "") if files else "model.safetensors")
             if not path.is_file():
                 continue
-            if name in _safetensors_header(path)[0]:
-                found[role] = _mapped_tensor(path, name, dtype)
-                break
+            try:
+                with safe_open(str(path), "pt") as f:
+                    if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        found[role] = f.get_tensor(name).to(dtype)
+                        break
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
+                raise PipelineError(f"{path}: not a readable safetensors file ({e})") from None
     if "embed" not in found:
         raise PipelineError(f"{target_dir}: no embed_tokens weight in the target's safetensors")
     weight = found["embed"]

@@ -100,7 +100,12 @@ def show_eval(result: dict, json_out: bool) -> None:
         _eval_tables(result)
     # Said in both modes: a lossy result is a bug, and the JSON reader must not be the only one told.
     if not result["lossless"]:
-        error("speculative output differs from greedy decoding (a bug: speculative decoding is lossless)")
+        first = next(d for r in [result["block"], *result["tree"].values()] for d in r["mismatches"])
+        where = (f"prompt {first['prompt']}, generated token {first['position']}: greedy {first['greedy_token']}, "
+                 f"speculative {first['speculative_token']}"
+                 + (f", {first['gap']:.3g} logits below the best (a tie is within {first['tolerance']:.3g})"
+                    if first["gap"] is not None else ""))
+        error(f"speculative output differs from greedy decoding ({where}; a bug: speculative decoding is lossless)")
 
 
 def _eval_tables(result: dict) -> None:
@@ -114,8 +119,15 @@ def _eval_tables(result: dict) -> None:
     for name, r in rows:
         table.add_row(name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
                       f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_greedy']:.2f}x",
-                      f"{r['identical_to_greedy']}/{result['prompts']}")
+                      f"{r['identical_to_greedy']}/{result['prompts']}"
+                      + (f" (+{r['departed_at_ties']} at ties)" if r.get("departed_at_ties") else ""))
     console.print(table)
+    for name, r in rows:
+        for d in r.get("ties", []):
+            console.print(f"{name}: prompt {d['prompt']} departs from greedy at generated token {d['position']} where the "
+                          f"target ties (tokens {d['greedy_token']} and {d['speculative_token']} within {d['gap']:.3g} "
+                          f"logits of the best, tolerance {d['tolerance']:.3g}: rounding in another batch shape)",
+                          highlight=False)
     if result["tree"]:
         console.print(f"DDTree verified as {result['tree_verify']} ({result['tree_verify_reason']})", highlight=False)
     hist = result["block"]["accept_histogram"]
