@@ -370,7 +370,9 @@ def main() -> None:
                                             "--batch-size", "2", "--dtype", "bfloat16", "--json"))
         summary["eval"] = {"lossless": evaluation.get("lossless"),
                            "block_identical": evaluation["block"]["identical_to_greedy"],
-                           "tree_identical": evaluation["tree"]["16"]["identical_to_greedy"]}
+                           "block_departed_at_ties": evaluation["block"]["departed_at_ties"],
+                           "tree_identical": evaluation["tree"]["16"]["identical_to_greedy"],
+                           "tree_departed_at_ties": evaluation["tree"]["16"]["departed_at_ties"]}
     finally:
         relay.stop()
         server.stop()
