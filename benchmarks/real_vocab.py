@@ -45,8 +45,13 @@ MASK_ID = 248070   # Qwen3.6's reserved token the reference drafters use (DESIGN
 
 def run(repo: Path, args: list[str], *, limit_gb: float | None = None, profile: Path | None = None) -> dict:
     """One CLI call of `repo` as a child process: wall seconds, peak RSS (GB, the kernel's figure
-    for that child via wait4), exit code, last stderr line."""
+    for that child via wait4), peak anonymous memory (sampled: what a prompt's tokens grow; a
+    target's weights mapped from its file are resident pages too, and the kernel may drop them
+    while the process runs, so RSS alone hides a slope of kilobytes a token under gigabytes of
+    them), exit code, last stderr line."""
     import tempfile
+
+    from benchmarks.process_memory import ProcessMemory
 
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     cmd = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "cli", *args]
@@ -59,7 +64,8 @@ def run(repo: Path, args: list[str], *, limit_gb: float | None = None, profile: 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.perf_counter()
         child = subprocess.Popen(cmd, cwd=repo, env=env, stdout=out, stderr=err, preexec_fn=cap)
-        _, status, usage = os.wait4(child.pid, 0)
+        with ProcessMemory(child.pid) as memory:
+            _, status, usage = os.wait4(child.pid, 0)
         seconds = time.perf_counter() - started
         child.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
@@ -67,7 +73,8 @@ def run(repo: Path, args: list[str], *, limit_gb: float | None = None, profile: 
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     tail = [line for line in stderr.splitlines() if line.strip()][-1:]
     return {"args": " ".join(args), "rc": child.returncode, "wall_s": round(seconds, 2),
-            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3), "stderr_tail": tail[0][:300] if tail else "",
+            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3),
+            "peak_anon_gb": max((w["peak_anon_gb"] for w in memory.workers()), default=None), "stderr_tail": tail[0][:300] if tail else "",
             "stdout": stdout}
 
 
@@ -167,14 +174,16 @@ def memory(repo: Path, work: Path, target: Path, lengths: list[int], batches: li
     fits = {}
     for command in ("eval", "generate"):
         for batch in batches:
-            points = [(r["prompt_tokens"] * batch, r["peak_rss_gb"] * 2**30) for r in runs
-                      if r["command"] == command and r["batch"] == batch and r["rc"] == 0]
-            if len(points) >= 2:
-                n = len(points)
-                mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-                slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-                fits[f"{command}_batch{batch}"] = {"bytes_per_prompt_token": round(slope), "points": len(points),
-                                                   "intercept_gb": round((my - slope * mx) / 2**30, 3)}
+            for measure in ("peak_rss_gb", "peak_anon_gb"):
+                points = [(r["prompt_tokens"] * batch, r[measure] * 2**30) for r in runs
+                          if r["command"] == command and r["batch"] == batch and r["rc"] == 0 and r[measure] is not None]
+                if len(points) >= 2:
+                    n = len(points)
+                    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+                    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+                    name = f"{command}_batch{batch}" + ("_anonymous" if measure == "peak_anon_gb" else "")
+                    fits[name] = {"bytes_per_prompt_token": round(slope), "points": len(points),
+                                  "intercept_gb": round((my - slope * mx) / 2**30, 3)}
     return {"runs": runs, "fits": fits}
 
 

@@ -1,6 +1,7 @@
 """The flagship dress rehearsal, small (issue 40): benchmarks/rehearsal.py end to end at Qwen3.6-27B's
 real widths with 8 layers and 2 agent sessions (about 570 and 800 tokens), two training ranks.
-Opt-in (DFLASH_SLOW=1): about 20 minutes and 20 GB of memory on 2 cores, an 11 GB target on disk.
+Opt-in (DFLASH_SLOW=1): about 20 minutes and 20 GB of memory on 2 cores, 30 GB of disk (an 11 GB target,
+two runs' checkpoints).
 With DFLASH_REFERENCE_SRC naming a checkout of the z-lab reference, the export's strict load into
 its class is checked too."""
 
