@@ -243,6 +243,7 @@ def eval_(
     cache: Annotated[Optional[str], typer.Option(help="A cache (directory or s3://BUCKET/PREFIX) of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
     device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Target and drafter dtype: 'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")] = "auto",
+    group_by: Annotated[Optional[str], typer.Option(help="Also report tau per value of this row field (e.g. category or source); tau per kind of turn (thinking, non-thinking, tool call) is always reported.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
@@ -254,7 +255,7 @@ def eval_(
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
                           device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning,
-                          report_to=report_to, on_total=bar.set_total)
+                          report_to=report_to, on_total=bar.set_total, group_by=group_by)
     show_eval(result, json_out)
     if not result["lossless"]:
         raise typer.Exit(1)

@@ -23,6 +23,7 @@ from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError
 from pipeline.speculative.compare import decode_variants
 from pipeline.speculative.decode import TREE_VERIFY, choose_tree_verify
+from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures
 from pipeline.target import end_of_turn_ids, frozen_target_modules, load_model, load_tokenizer, read_target_facts, resolve_target
@@ -35,9 +36,10 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
              tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None,
-             on_total=None) -> dict:
+             on_total=None, group_by: str | None = None) -> dict:
     """Decode every prompt with each variant; `progress(n, tokens=, note=)` per batch of prompts,
-    `on_total(prompts)` once they are read."""
+    `on_total(prompts)` once they are read. tau is also reported per kind of turn and, with
+    `group_by`, per value of that row field (pipeline/speculative/groups.py)."""
     device_, dtype_ = resolve_device(device, dtype)
     if tree_verify not in (*TREE_VERIFY, "auto"):
         raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, auto; got {tree_verify!r}")
@@ -88,6 +90,10 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
                             "use --tree-verify paths and --batch-size 1")
     eos = end_of_turn_ids(tokenizer)
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
+    if group_by and not any(group_by in item["fields"] for item in items):
+        seen = sorted({k for item in items for k in item["fields"]})
+        raise PipelineError(f"--group-by {group_by}: no prompt row has this field (the rows' fields: "
+                            f"{', '.join(seen) or 'none besides the conversation'})")
     if on_total:
         on_total(len(items))
 
@@ -118,6 +124,9 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         # Lossless: every output is greedy's, or first departs from it at a tie of the target (ties.py).
         "lossless": not any(not d.tie for found in departures.values() for d in found),
     }
+    result["by_kind"] = by_kind(prompt_ids, reference, blocks, trees, TurnMarkers.of(tokenizer))
+    if group_by:
+        result["by_field"] = by_field(group_by, [item["fields"] for item in items], blocks, trees)
     if report_to:
         result["reported_to"] = {"trackers": report_to,
                                  "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}

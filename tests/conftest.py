@@ -6,6 +6,17 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """The CLI sets torch's thread count for its process (`--threads auto`: fewer on a busy
+    machine); a test that runs it in-process must not leave that count to the next test."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def embedded():
     from pipeline import embedded

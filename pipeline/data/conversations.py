@@ -39,6 +39,7 @@ class Row:
     template_kwargs: dict | None = None          # the row's own chat_template_kwargs, over the config's
     generated_by: str | None = None              # who wrote the responses, when the row says (DESIGN 3.7)
     row_id: str | int | None = None              # the row's own `id`, when it has one
+    fields: dict | None = None                   # the row's other top-level scalars (a `category`, a `source`): eval --group-by
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -168,7 +169,13 @@ def parse_row(sample_id: int, where: str, obj, *, need_answer: bool = True) -> R
     return Row(sample_id=sample_id, where=where, messages=messages, tools=_tools(where, obj.get("tools")),
                template_kwargs=_template_kwargs(where, obj.get("chat_template_kwargs")),
                generated_by=_generated_by(where, obj.get("generated_by")),
-               row_id=obj["id"] if isinstance(obj.get("id"), (str, int)) else None)
+               row_id=obj["id"] if isinstance(obj.get("id"), (str, int)) else None,
+               fields={k: v for k, v in obj.items() if k not in _CONVERSATION_FIELDS and isinstance(v, (str, int, float, bool))}
+               or None)
+
+
+# The fields a conversation row is read from; any other top-level scalar is the row's own label.
+_CONVERSATION_FIELDS = ("messages", "conversations", "tools", "chat_template_kwargs", "generated_by")
 
 
 def _openai_message(at: str, turn: dict) -> dict:

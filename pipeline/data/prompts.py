@@ -27,7 +27,7 @@ def read_prompts(path: Path, tokenizer, limit: int | None) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - templates raise many types
             raise PipelineError(f"{row.where}: the chat template cannot render this prompt ({template_message(e)})") from None
         prompts.append({"id": row.row_id if row.row_id is not None else row.where,
-                        "ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+                        "ids": tokenizer(text, add_special_tokens=False)["input_ids"], "fields": row.fields or {}})
         if limit and len(prompts) >= limit:
             break
     if not prompts:

@@ -15,7 +15,6 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
               departures: list[Departure] = ()) -> dict:
     """`departures`: the judged differences from greedy (ties.judge_departures); a prompt whose
     output differs and is not among them counts as a mismatch."""
-    per_response = [statistics.mean(a + 1 for a in r.accepted) for r in runs if r.accepted]
     steps = [a + 1 for r in runs for a in r.accepted]
     tokens = sum(len(r.tokens) for r in runs)
     histogram = {str(k): 0 for k in range(1, block + 1)}
@@ -25,8 +24,7 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
     tied = {d.prompt for d in ties}
     mismatches = [i for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens and i not in tied]
     return {
-        "tau_mean_of_means": statistics.mean(per_response) if per_response else 0.0,
-        "tau_pooled": statistics.mean(steps) if steps else 0.0,
+        **tau_figures(runs),
         "accept_histogram": histogram,
         "verify_passes_per_token": sum(r.verify_passes for r in runs) / max(tokens, 1),
         "target_tokens_per_verify": sum(r.verify_tokens for r in runs) / max(sum(r.verify_passes for r in runs), 1),
@@ -37,3 +35,13 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
         "departed_at_ties": len(tied), "ties": [d.record() for d in ties[:20]],
         "mismatches": [d.record() for d in departures if not d.tie][:20],
     }
+
+
+def tau_figures(runs: list[Decoded]) -> dict:
+    """tau as the mean of per-response means and pooled over verify steps, and the steps: the
+    figures a group of prompts is compared by (a group's pooled tau times its steps sums to the
+    whole's)."""
+    per_response = [statistics.mean(a + 1 for a in r.accepted) for r in runs if r.accepted]
+    steps = [a + 1 for r in runs for a in r.accepted]
+    return {"tau_mean_of_means": statistics.mean(per_response) if per_response else 0.0,
+            "tau_pooled": statistics.mean(steps) if steps else 0.0, "verify_steps": len(steps)}

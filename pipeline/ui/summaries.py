@@ -108,6 +108,21 @@ def show_eval(result: dict, json_out: bool) -> None:
         error(f"speculative output differs from greedy decoding ({where}; a bug: speculative decoding is lossless)")
 
 
+def _group_table(title: str, groups: dict) -> None:
+    """Pooled tau (mean of per-response means) per group, block and each tree budget."""
+    if not groups:
+        return
+    budgets = list(next(iter(groups.values()))["tree"])
+    table = Table(title=title, title_justify="left")
+    for col in ("group", "prompts", "block tau", *(f"ddtree {b} tau" for b in budgets)):
+        table.add_column(col)
+    def cell(f: dict) -> str:
+        return f"{f['tau_pooled']:.2f} ({f['tau_mean_of_means']:.2f})"
+    for name, g in groups.items():
+        table.add_row(name, str(g["prompts"]), cell(g["block"]), *(cell(g["tree"][b]) for b in budgets))
+    console.print(table)
+
+
 def _eval_tables(result: dict) -> None:
     g = result["greedy"]
     table = Table(title=f"eval: {result['prompts']} prompts, block {result['block_size']}, "
@@ -130,6 +145,9 @@ def _eval_tables(result: dict) -> None:
                           highlight=False)
     if result["tree"]:
         console.print(f"DDTree verified as {result['tree_verify']} ({result['tree_verify_reason']})", highlight=False)
+    _group_table("tau by kind of turn", {k: g for k, g in result.get("by_kind", {}).items()})
+    if "by_field" in result:
+        _group_table(f"tau by {result['by_field']['field']}", result["by_field"]["groups"])
     hist = result["block"]["accept_histogram"]
     console.print("block acceptance lengths: " + "  ".join(f"{k}:{v}" for k, v in hist.items()), highlight=False)
     if "teacher_forced" in result:

@@ -1,0 +1,106 @@
+"""eval's tau per kind of turn (thinking, non-thinking, tool call) and per row field (--group-by,
+issue 41). The kind rule is checked against the real Qwen3.6 template's rendered text (a prompt
+in thinking mode ends in an open `<think>`); the groups against the whole (a group's pooled tau
+times its verify steps sums to the whole's) on a real eval of the embedded target."""
+
+import json
+from pathlib import Path
+
+import pytest
+from extract_helpers import REPO, cli
+
+from pipeline.data.loss_mask import render
+from pipeline.errors import PipelineError
+from pipeline.speculative.groups import MISSING, TurnMarkers, turn_kind
+from stages.eval import run_eval
+
+FIXTURES = REPO.parent / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def qwen36():
+    from transformers import AutoTokenizer
+
+    folder, template = FIXTURES / "tokenizers" / "qwen3.6", FIXTURES / "chat_templates" / "qwen3.6.jinja"
+    if not folder.is_dir() or not template.is_file():
+        pytest.skip(f"the real Qwen3.6 tokenizer/template fixtures are not at {FIXTURES}")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = template.read_text()
+    return tokenizer
+
+
+def test_kind_of_turn_follows_the_templates_think_block(qwen36):
+    markers = TurnMarkers.of(qwen36)
+    assert None not in (markers.im_start, markers.think, markers.think_end, markers.tool_call)
+    history = [{"role": "user", "content": "Think first: what is 2 + 3?"},
+               {"role": "assistant", "content": "5.", "reasoning_content": "2 + 3 = 5."},
+               {"role": "user", "content": "And 4 + 4?"}]
+    answer = qwen36("Eight.", add_special_tokens=False)["input_ids"]
+    for thinking in (True, False):
+        text = render(qwen36, history, generation_prompt=True, template_kwargs={"enable_thinking": thinking})
+        # The oracle, from the template's text: thinking mode leaves `<think>\n` open at the end.
+        assert text.endswith("<think>\n") == thinking, text[-60:]
+        prompt = qwen36(text, add_special_tokens=False)["input_ids"]
+        assert turn_kind(prompt, answer, markers) == ("thinking" if thinking else "non_thinking")
+        call = answer + [markers.tool_call] + qwen36('{"name": "add"}', add_special_tokens=False)["input_ids"]
+        assert turn_kind(prompt, call, markers) == "tool_call"
+    closed = qwen36(render(qwen36, history, generation_prompt=True, template_kwargs={"enable_thinking": False}),
+                    add_special_tokens=False)["input_ids"]
+    assert turn_kind(closed, [markers.think] + answer, markers) == "thinking"  # the output opens one itself
+
+
+@pytest.fixture(scope="module")
+def grouped(trained_run, heldout_rows, tmp_path_factory):
+    rows = [dict(row) for row in heldout_rows[:7]]
+    for i, row in enumerate(rows[:6]):
+        row["category"] = "even" if i % 2 == 0 else "odd"
+    path = tmp_path_factory.mktemp("groups") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_eval(trained_run["run"], target=None, prompts=path, max_new_tokens=24, block_size=None,
+                      tree_budgets=[4], tree_top_k=4, limit=None, group_by="category")
+    return path, result
+
+
+def _sums_to_the_whole(groups: dict, whole: dict) -> None:
+    assert sum(g["verify_steps"] for g in groups) == whole["verify_steps"] > 0
+    assert sum(g["tau_pooled"] * g["verify_steps"] for g in groups) == pytest.approx(whole["tau_pooled"] * whole["verify_steps"])
+
+
+def test_groups_by_a_field_sum_to_the_whole(grouped):
+    _, result = grouped
+    groups = result["by_field"]["groups"]
+    assert result["by_field"]["field"] == "category" and result["lossless"]
+    assert {k: g["prompts"] for k, g in groups.items()} == {"even": 3, "odd": 3, MISSING: 1}
+    _sums_to_the_whole([g["block"] for g in groups.values()], result["block"])
+    _sums_to_the_whole([g["tree"]["4"] for g in groups.values()], result["tree"]["4"])
+
+
+def test_kinds_cover_every_prompt(grouped):
+    _, result = grouped
+    kinds = result["by_kind"]
+    assert sum(g["prompts"] for g in kinds.values()) == 7
+    assert set(kinds) <= {"thinking", "non_thinking", "tool_call"}
+    _sums_to_the_whole([g["block"] for g in kinds.values()], result["block"])
+
+
+def test_a_field_no_row_has_is_one_line(grouped, trained_run):
+    path, _ = grouped
+    with pytest.raises(PipelineError, match="--group-by source: no prompt row has this field .*category"):
+        run_eval(trained_run["run"], target=None, prompts=path, max_new_tokens=4, block_size=None,
+                 tree_budgets=[], tree_top_k=4, limit=None, group_by="source")
+
+
+def test_the_cli_prints_the_groups(grouped, trained_run):
+    path, _ = grouped
+    done = cli("eval", "--drafter", str(trained_run["run"]), "--prompts", str(path), "--max-new-tokens", "8",
+               "--tree-budget", "", "--group-by", "category")
+    assert done.returncode == 0, done.stderr
+    assert "tau by kind of turn" in done.stdout and "tau by category" in done.stdout and "odd" in done.stdout
+
+
+def test_the_rows_own_fields_reach_the_prompt(grouped, tokenizer):
+    from pipeline.data.prompts import read_prompts
+
+    path, _ = grouped
+    items = read_prompts(Path(path), tokenizer, None)
+    assert [i["fields"].get("category") for i in items] == ["even", "odd"] * 3 + [None]
