@@ -76,7 +76,7 @@ def frozen_target_modules(target_dir: Path, dtype=None):
     lm_head weight has it tied to the embedding."""
     import torch
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     dtype = dtype or torch.float32
     index = target_dir / "model.safetensors.index.json"
@@ -93,7 +93,7 @@ def frozen_target_modules(target_dir: Path, dtype=None):
                     if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                         found[role] = f.get_tensor(name).to(dtype)
                         break
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
+            except (SafetensorError, OSError) as e:  # a damaged file, not a failure of the cast after it
                 raise PipelineError(f"{path}: not a readable safetensors file ({e})") from None
     if "embed" not in found:
         raise PipelineError(f"{target_dir}: no embed_tokens weight in the target's safetensors")

@@ -145,7 +145,7 @@ def _eval_tables(result: dict) -> None:
                           highlight=False)
     if result["tree"]:
         console.print(f"DDTree verified as {result['tree_verify']} ({result['tree_verify_reason']})", highlight=False)
-    _group_table("tau by kind of turn", {k: g for k, g in result.get("by_kind", {}).items()})
+    _group_table("tau by kind of turn", result.get("by_kind", {}))
     if "by_field" in result:
         _group_table(f"tau by {result['by_field']['field']}", result["by_field"]["groups"])
     hist = result["block"]["accept_histogram"]
