@@ -317,3 +317,34 @@ def test_text_the_fields_cannot_hold_stays_verbatim():
                           ("thinking forever", "reasoning never closed")):
         parsed = parse_assistant(text, "<think>\n" if problem == "reasoning never closed" else "")
         assert parsed.problem == problem and parsed.message["content"] == text and "tool_calls" not in parsed.message
+
+
+def test_requests_carry_the_ids_openai_servers_require():
+    """vLLM refuses a chat request whose tool calls have no `id` or whose tool replies have no
+    `tool_call_id` (OpenAI's schema); datasets seldom keep them. The rule, checked here: every
+    call gets an id (the data's own kept), the k-th reply after a turn answers its k-th call, the
+    arguments go as JSON text that reads back as the data's, and the data is left untouched."""
+    import copy
+
+    from pipeline.generate.server import openai_messages
+
+    conversation = [
+        {"role": "user", "content": "Weather in Paris and Lyon?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", city="Paris"), _call("get_weather", city="Lyon")]},
+        {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"},
+        {"role": "assistant", "content": "Sunny in Paris, rain in Lyon."},
+        {"role": "user", "content": "And Nice?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**_call("get_weather", city="Nice"), "id": "mine"}]},
+        {"role": "tool", "content": "windy", "tool_call_id": "mine"},
+    ]
+    before = copy.deepcopy(conversation)
+    sent = openai_messages(conversation)
+    assert conversation == before
+    calls = {i: [c["id"] for c in m["tool_calls"]] for i, m in enumerate(sent) if m.get("tool_calls")}
+    assert all(calls.values()) and len({i for ids in calls.values() for i in ids}) == 3
+    assert calls[6] == ["mine"]
+    assert [m["tool_call_id"] for m in sent if m["role"] == "tool"] == calls[1] + calls[6]
+    for original, message in zip(conversation, sent):
+        for a, b in zip(original.get("tool_calls", []), message.get("tool_calls", [])):
+            assert json.loads(b["function"]["arguments"]) == a["function"]["arguments"] and b["type"] == "function"
+    assert [m["content"] for m in sent] == [m["content"] for m in conversation]

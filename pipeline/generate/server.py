@@ -71,7 +71,7 @@ class Server:
         return model
 
     def _request(self, turn, where: str) -> dict:
-        body = {"model": self.model, "messages": [_openai_message(m) for m in turn.messages], "max_tokens": self.max_new,
+        body = {"model": self.model, "messages": openai_messages(turn.messages), "max_tokens": self.max_new,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": turn.seed}
         if turn.tools:
             body["tools"] = turn.tools
@@ -146,17 +146,31 @@ class Server:
         self._checked_tokens = True
 
 
-def _openai_message(message: dict) -> dict:
-    """As the OpenAI API takes it: tool-call arguments as a JSON string."""
-    if not message.get("tool_calls"):
-        return message
-    calls = []
-    for call in message["tool_calls"]:
-        function = dict(call.get("function") or {})
-        if not isinstance(function.get("arguments"), str):
-            function["arguments"] = json.dumps(function.get("arguments") or {})
-        calls.append({**call, "function": function})
-    return {**message, "tool_calls": calls}
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """The conversation as the OpenAI API takes it: tool-call arguments as a JSON string, every
+    call with an `id` and every tool reply with the `tool_call_id` of the call it answers (vLLM
+    refuses a request without them; datasets seldom keep them, and chat templates do not render
+    them). Ids the data has are kept; a missing one is made from the message's position, and the
+    k-th reply after an assistant turn answers its k-th call."""
+    out, pending = [], []
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = []
+            for k, call in enumerate(message["tool_calls"]):
+                function = dict(call.get("function") or {})
+                if not isinstance(function.get("arguments"), str):
+                    function["arguments"] = json.dumps(function.get("arguments") or {})
+                calls.append({**call, "id": call.get("id") or f"call_{i}_{k}", "type": call.get("type", "function"),
+                              "function": function})
+            pending = [c["id"] for c in calls]
+            out.append({**message, "tool_calls": calls})
+        elif message.get("role") == "tool":
+            answered = pending.pop(0) if pending else None
+            out.append({**message, "tool_call_id": message.get("tool_call_id") or answered or f"call_{i}"})
+        else:
+            pending = []
+            out.append(message)
+    return out
 
 
 def _tool_call(call: dict) -> dict:

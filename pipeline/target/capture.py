@@ -97,6 +97,9 @@ class Capture:
         }
 
 
+ROW_MULTIPLE = 16   # LogitChunks' matmuls take row counts of this multiple (see there why)
+
+
 class LogitChunks:
     """The lm_head's float32 logits over hidden states [T, H], `rows` tokens at a time, so a 248k
     vocabulary never needs a [T, vocab] tensor. On the CPU in float32 each chunk is written into one
@@ -105,8 +108,11 @@ class LogitChunks:
     the caller may spend it in place (`logsumexp_`)."""
 
     def __init__(self, lm_head, rows: int = 256):
+        if rows % ROW_MULTIPLE:
+            raise ValueError(f"rows must be a multiple of {ROW_MULTIPLE}, got {rows}")
         self.lm_head, self.rows = lm_head, rows
         self._buffer: torch.Tensor | None = None
+        self._rows_in: torch.Tensor | None = None
 
     def __call__(self, last_TH: torch.Tensor):
         weight = self.lm_head.weight
@@ -115,10 +121,21 @@ class LogitChunks:
                  and type(weight.data) is torch.Tensor and type(last_TH) is torch.Tensor)
         if reuse and self._buffer is None:
             self._buffer = torch.empty(self.rows, weight.shape[0])
+            self._rows_in = torch.empty(self.rows, weight.shape[1])
         for a in range(0, last_TH.shape[0], self.rows):
             hidden = last_TH[a:a + self.rows]
             if reuse:
-                yield a, torch.matmul(hidden.float(), weight.T, out=self._buffer[:hidden.shape[0]])
+                # The CPU BLAS sums some row counts (5-7 and 9-11 of them, measured) in an order that
+                # depends on torch's thread count: a sample whose last chunk has such a count would
+                # store other logits in a process with one thread (data-parallel ranks) than in one
+                # with two. Rows padded with zeros to a multiple of ROW_MULTIPLE take the same path
+                # at any thread count; the padding rows are computed and dropped.
+                n = hidden.shape[0]
+                m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+                rows_in = self._rows_in[:m]
+                rows_in[:n] = hidden
+                rows_in[n:] = 0
+                yield a, torch.matmul(rows_in, weight.T, out=self._buffer[:m])[:n]
             else:
                 yield a, self.lm_head(hidden).float()
 
