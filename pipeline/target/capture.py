@@ -131,6 +131,9 @@ class LogitChunks:
                 # with two. Rows padded with zeros to a multiple of ROW_MULTIPLE take the same path
                 # at any thread count; the padding rows are computed and dropped.
                 n = hidden.shape[0]
+                if n % ROW_MULTIPLE == 0:   # every chunk but a sample's last: no copy needed
+                    yield a, torch.matmul(hidden.float(), weight.T, out=self._buffer[:n])
+                    continue
                 m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
                 rows_in = self._rows_in[:m]
                 rows_in[:n] = hidden
