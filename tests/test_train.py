@@ -356,9 +356,13 @@ def test_two_process_resume_is_exact(cache, tmp_path, two_process_run):
 
 
 def test_soft_kl_and_noise_options_train(cache, tmp_path):
-    train(cache, tmp_path / "kl", max_steps=30, warmup_steps=5, log_every=1, loss="kl", noise_std=0.05)
+    train(cache, tmp_path / "kl", max_steps=40, warmup_steps=5, log_every=1, loss="kl", noise_std=0.05)
     lines = read_log(tmp_path / "kl")
-    assert lines[-1]["loss"] < 0.6 * lines[0]["loss"] and lines[-1]["accuracy"] > 0.15
+    # The last five steps, not the last one: batches of thinking and plain rows swing one step's
+    # accuracy between 0.12 and 0.21 on their own.
+    last = lines[-5:]
+    assert sum(x["loss"] for x in last) / 5 < 0.6 * lines[0]["loss"]
+    assert sum(x["accuracy"] for x in last) / 5 > 0.15
     assert {x["noise_std"] for x in lines} == {0.05}
 
 
