@@ -49,11 +49,11 @@ def read_log(run):
 
 
 def test_drafter_learns_and_its_export_reloads(trained_run, tmp_path, embedded):
-    """The shared trained drafter (conftest: the tiny preset, 150 steps, log every 10)."""
-    cache = trained_run["cache"]
+    """The shared trained drafter (conftest: the tiny preset, log every 10)."""
+    cache, steps = trained_run["cache"], trained_run["steps"]
     shutil.copytree(trained_run["run"], tmp_path / "run")  # resumed below: the shared run stays as it is
     lines = read_log(tmp_path / "run")
-    assert DESIGN_KEYS <= set(lines[0]) and [x["step"] for x in lines] == [1, *range(10, 151, 10)]
+    assert DESIGN_KEYS <= set(lines[0]) and [x["step"] for x in lines] == [1, *range(10, steps + 1, 10)]
     assert len(lines[-1]["pos_acc"]) == 7  # slots 1..B-1 for the tiny preset's B = 8
     first, last = lines[0], lines[-1]
     assert last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])
@@ -74,8 +74,8 @@ def test_drafter_learns_and_its_export_reloads(trained_run, tmp_path, embedded):
     assert metrics["accuracy"] > 0.35, metrics
     # A resumed run of a finished training is a no-op that exports the same drafter again.
     exported = (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes()
-    again = train(cache, tmp_path / "run", max_steps=150, log_every=10)
-    assert again["resumed"] and again["steps"] == 150 and len(read_log(tmp_path / "run")) == len(lines)
+    again = train(cache, tmp_path / "run", max_steps=steps, log_every=10)
+    assert again["resumed"] and again["steps"] == steps and len(read_log(tmp_path / "run")) == len(lines)
     assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == exported
 
 
