@@ -45,3 +45,27 @@ def test_full_rebuild_is_identical(embedded, report, tmp_path):
     fresh = build.build(tmp_path, seed=report["seed"], num_steps=report["train"]["num_steps"], log=lambda *_: None)
     for name, meta in report["files"].items():
         assert fresh["files"][name]["sha256"] == meta["sha256"], name
+
+
+OPENAI_TOOL_KEYS = ("type", "function")
+OPENAI_FUNCTION_KEYS = ("name", "description", "parameters")
+
+
+def test_tool_schemas_keep_the_order_an_openai_server_sends(train_rows, heldout_rows, tokenizer):
+    """The template renders a schema's keys in their order, and OpenAI-compatible servers (vLLM's
+    pydantic request model) re-serialise each tool as type, function: name, description,
+    parameters. A shipped row must keep that order, or the prompt a server generates from is not
+    the one extract renders; and its prompt must be the one the target was trained on."""
+    from pipeline.toy import chat, tasks
+
+    with_tools = [row for row in train_rows + heldout_rows if row.get("tools")]
+    assert len(with_tools) > 100
+    for row in with_tools:
+        for tool in row["tools"]:
+            assert tuple(tool) == OPENAI_TOOL_KEYS, tool
+            assert tuple(tool["function"]) == OPENAI_FUNCTION_KEYS, tool
+        trained = [next(s for s in tasks.TOOL_SCHEMAS if s["function"]["name"] == t["function"]["name"])
+                   for t in row["tools"]]
+        first_user = [m["role"] for m in row["messages"]].index("user")
+        prompt = row["messages"][:first_user + 1]
+        assert chat.render(prompt, tools=row["tools"]) == chat.render(prompt, tools=trained)

@@ -140,9 +140,24 @@ def agreement(pairs) -> dict:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """One row a line, keys sorted for stable files, except in the tool schemas: the template
+    renders a schema's keys in their order, and OpenAI-compatible servers (vLLM) re-serialise
+    `tools` as type, function: name, description, parameters. The schemas keep the order the
+    target saw in training (tasks.TOOL_SCHEMAS, which is that order), so a row's prompt renders
+    to the same tokens in-process and through a server."""
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+            f.write(json.dumps(_sorted_but_tools(row), ensure_ascii=False) + "\n")
+
+
+def _sorted_but_tools(value, key: str | None = None):
+    if key == "tools":
+        return value
+    if isinstance(value, dict):
+        return {k: _sorted_but_tools(value[k], k) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_but_tools(v) for v in value]
+    return value
 
 
 def sha256(path: Path) -> str:
