@@ -313,16 +313,30 @@ def rendered_back(written: Path, tokenizer, engine: Engine, max_new: int, target
                             for (row, k, _, ours, engine_ids), d in zip(differing, departures)][:20]}
 
 
-def rows_equal(a: Path, b: Path, tokenizer) -> dict:
-    """Rows of `a` and `b` with the same messages, and with the same rendering (what extract
-    reads: the template trims whitespace around reasoning and content)."""
+def rows_equal(a: Path, b: Path, tokenizer, target: Path) -> dict:
+    """Rows of `a` (through vLLM) and `b` (in-process) with the same messages, and with the same
+    rendering (what extract reads: the template trims whitespace around reasoning and content);
+    a row whose rendering differs is judged at its first different token, as eval judges (a tie
+    of the bf16 target there, or not): the two sides run bf16 kernels of other shapes."""
     left, right = (list(iter_rows([p])) for p in (a, b))
 
     def text(row):
         return render(tokenizer, row.messages, generation_prompt=False, tools=row.tools, template_kwargs=row.template_kwargs)
+
+    differing = []
+    for x, y in zip(left, right):
+        ours, theirs = (tokenizer(text(r), add_special_tokens=False)["input_ids"] for r in (x, y))
+        if ours != theirs:
+            at = next((i for i, (p, q) in enumerate(zip(ours, theirs)) if p != q), min(len(ours), len(theirs)))
+            differing.append((x.row_id, ours[:at], ours[at:], theirs[at:]))
+    departures = judged(target, [d[1] for d in differing], [d[2] for d in differing], [d[3] for d in differing])
     return {"rows_equal_in_process": sum(x.messages == y.messages for x, y in zip(left, right)),
             "rows_rendering_equal_in_process": sum(text(x) == text(y) for x, y in zip(left, right)),
-            "rows_compared": min(len(left), len(right))}
+            "rows_compared": min(len(left), len(right)),
+            "rows_departing_at_ties": sum(d.tie for d in departures),
+            "row_differences": [{"row": row, "tie": d.tie, "gap": d.gap, "in_process": tokenizer.decode(theirs[:12]),
+                                 "vllm": tokenizer.decode(ours[:12])}
+                                for (row, _, ours, theirs), d in zip(differing, departures)][:20]}
 
 
 def tool_choice_probe(engine: Engine, rows: Path, max_new: int) -> bool | None:
@@ -360,14 +374,15 @@ def stage_generate(args, venv: Path, target: Path, rows: Path, tokenizer) -> dic
             figures.update(rendered_back(written, tokenizer, engine, args.max_new_tokens, target))
             if not flags:
                 figures["tool_choice_none"] = tool_choice_probe(engine, rows, args.max_new_tokens)
-        figures.update(rows_equal(written, out / "in-process.jsonl", tokenizer))
+        figures.update(rows_equal(written, out / "in-process.jsonl", tokenizer, target))
         result[mode] = figures
         say(f"  {figures['rows_written']}/{figures['rows']} rows written; turns rendered back to vLLM's tokens "
             f"{figures['turns_rendered_back']}/{figures['turns_checked']} (the others part at a tie: "
             f"{figures['departed_at_ties']}); prompts vLLM rendered as the template here "
             f"{figures['turns_prompt_equal']}/{figures['turns_checked']}; rows equal to in-process "
             f"{figures['rows_equal_in_process']}/{figures['rows_compared']} "
-            f"(rendered: {figures['rows_rendering_equal_in_process']})")
+            f"(rendered: {figures['rows_rendering_equal_in_process']}; the others part at a tie: "
+            f"{figures['rows_departing_at_ties']})")
     return result
 
 
