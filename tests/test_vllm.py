@@ -114,7 +114,8 @@ def test_a_refusal_without_tools_in_the_request_is_not_retried():
 
 
 @pytest.mark.skipif(os.environ.get("DFLASH_VLLM") != "1",
-                    reason="vLLM end to end (its CPU build in a venv of its own: 3.5 GB, about 10 minutes); DFLASH_VLLM=1")
+                    reason="vLLM end to end (its CPU build in a venv of its own, 3.5 GB: about 7 minutes, 4 with a built one "
+                           "in DFLASH_VLLM_VENV); DFLASH_VLLM=1")
 def test_vllm_serves_the_target_and_the_exported_drafter(tmp_path):
     venv = os.environ.get("DFLASH_VLLM_VENV") or str(tmp_path / "vllm-venv")
     work = tmp_path / "work"
