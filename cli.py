@@ -273,12 +273,14 @@ def report(
     out: Annotated[Path, typer.Option(help="Folder for the PNG plots.")] = Path("dflash-report"),
     follow: Annotated[bool, typer.Option("--follow", help="Re-draw the report (and the plots) as the logs grow, until every run reaches its last step; with --json, one JSON document per line per re-draw.")] = False,
     interval: Annotated[float, typer.Option(help="With --follow: seconds between looks at the logs.")] = 10.0,
+    eval_file: Annotated[Optional[Path], typer.Option("--eval", help="A `pipeline eval --json` result: its decoded tau, pooled and per kind of turn (thinking / non-thinking / tool call), beside the verdicts, with a plot.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Convergence diagnostics: rolling means with confidence intervals, plateau/regression
-    verdicts, cliffs, grad-norm anomalies, extrapolation, run-vs-run comparison, plots."""
+    verdicts, cliffs, grad-norm anomalies, extrapolation, run-vs-run comparison, plots; with
+    --eval, the decoded tau per kind of turn."""
     options = {"window_size": window, "every": every, "epochs": epochs, "steps_per_epoch": steps_per_epoch,
-               "reference_tau": reference_tau, "plots": out}
+               "reference_tau": reference_tau, "plots": out, "eval_file": eval_file}
     if follow:
         if interval <= 0:
             raise PipelineError(f"--interval must be > 0, got {interval}")

@@ -77,7 +77,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
     say("[5/5] report")
     start = time.perf_counter()
     reported = run_report([out / "run"], window_size=None, every=None, epochs=None, steps_per_epoch=None,
-                          reference_tau=None, plots=out / "report")
+                          reference_tau=None, plots=out / "report", eval_file=out / "eval.json")
     timings["report_s"] = time.perf_counter() - start
     (out / "report.json").write_text(json.dumps(reported, indent=2, default=str) + "\n")
     timings["total_s"] = time.perf_counter() - t0
@@ -96,10 +96,19 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
                  "block_tau_pooled": evaluated["block"]["tau_pooled"],
                  **{f"ddtree{b}_tau_pooled": r["tau_pooled"] for b, r in evaluated["tree"].items()},
                  "block_speedup_vs_greedy_cpu": evaluated["block"]["speedup_vs_greedy"],
-                 "tree_verify": evaluated["tree_verify"], "tree_verify_reason": evaluated["tree_verify_reason"]},
+                 "tree_verify": evaluated["tree_verify"], "tree_verify_reason": evaluated["tree_verify_reason"],
+                 "by_kind": kind_taus(evaluated.get("by_kind", {}))},
         "report": {"plots": reported.get("plots", []),
                    "verdicts": {m: v.get("verdict") for m, v in reported["runs"][0]["verdicts"].items()}},
         "timings": timings,
     }
     write_json_atomic(out / "demo.json", summary)
     return summary
+
+
+def kind_taus(by_kind: dict) -> dict:
+    """eval's per-kind figures cut to what the demo shows: {kind: {prompts, block_tau_pooled,
+    ddtree<budget>_tau_pooled}} (thinking, non-thinking and tool-call turns)."""
+    return {kind: {"prompts": g["prompts"], "block_tau_pooled": g["block"]["tau_pooled"],
+                   **{f"ddtree{b}_tau_pooled": r["tau_pooled"] for b, r in g.get("tree", {}).items()}}
+            for kind, g in by_kind.items()}

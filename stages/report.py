@@ -6,23 +6,29 @@ metric from the last window against the one before; cliffs (sudden moves in the 
 and grad-norm anomalies; each metric extrapolated to the end of training. Several runs: their
 window means side by side at common steps, with the leader and whether its margin exceeds the
 noise. Missing keys are counted and reported, never averaged as zero. PNG plots per metric group.
+With `--eval EVAL_JSON` (what `pipeline eval --json` or the demo's eval.json holds): the decoded
+tau beside the training verdicts, pooled and per kind of turn (thinking, non-thinking, tool call),
+with a plot of the kinds.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.report.analysis import analyse, compare_runs
 from pipeline.report.logs import log_path, read_run, run_finished
-from pipeline.report.plots import plot
+from pipeline.report.plots import plot, plot_kinds
 
 
 def run_report(logs: list[Path], *, window_size: int | None, every: int | None, epochs: float | None,
-               steps_per_epoch: float | None, reference_tau: float | None, plots: Path | None) -> dict:
+               steps_per_epoch: float | None, reference_tau: float | None, plots: Path | None,
+               eval_file: Path | None = None) -> dict:
     if not logs:
         raise PipelineError("give at least one train_log.jsonl")
+    decoded = read_eval(Path(eval_file)) if eval_file is not None else None
     runs = [read_run(Path(p) / "train_log.jsonl" if Path(p).is_dir() else Path(p), steps_per_epoch) for p in logs]
     names = [r.name for r in runs]
     for i, r in enumerate(runs):
@@ -40,9 +46,33 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
                                       "the acceptance measured by `pipeline eval` (see BENCHMARKS.md)"}
     if len(runs) > 1:
         result["comparison"] = compare_runs(runs, size=size, every=every)
+    if decoded is not None:
+        result["eval"] = decoded
     if plots is not None:
         result["plots"] = plot(runs, plots, size)
+        if decoded is not None and decoded["by_kind"]:
+            result["plots"].append(plot_kinds(decoded, plots))
     return result
+
+
+def read_eval(path: Path) -> dict:
+    """The decoded figures of an eval result: {file, prompts, lossless, block, tree: {budget: tau},
+    by_kind: {kind: {prompts, block, tree}}} (pooled tau). A file that is not one is a one-line error."""
+    try:
+        result = json.loads(path.read_text())
+        figures = {"file": str(path), "prompts": int(result["prompts"]), "lossless": bool(result["lossless"]),
+                   "block": float(result["block"]["tau_pooled"]),
+                   "tree": {str(b): float(r["tau_pooled"]) for b, r in result.get("tree", {}).items()},
+                   "by_kind": {kind: {"prompts": int(g["prompts"]), "block": float(g["block"]["tau_pooled"]),
+                                      "tree": {str(b): float(r["tau_pooled"]) for b, r in g.get("tree", {}).items()}}
+                               for kind, g in result.get("by_kind", {}).items()}}
+    except OSError as e:
+        raise PipelineError(f"--eval {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"--eval {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PipelineError(f"--eval {path}: not a `pipeline eval --json` result (missing or bad field {e})") from None
+    return figures
 
 
 

@@ -46,6 +46,6 @@ def target_summary(target_dir: Path, *, heldout: Path | None = None, build_repor
     if heldout is not None:
         rows = list(iter_rows([heldout]))
         summary["heldout_conversations"] = len(rows)
-        summary["self_agreement"] = self_agreement(model, tokenizer, [r.messages for r in rows[:num_check]],
+        summary["self_agreement"] = self_agreement(model, tokenizer, rows[:num_check],
                                                    tokenizer.eos_token)
     return summary

@@ -121,7 +121,10 @@ def test_quick_demo_runs_the_whole_pipeline(tmp_path):
     assert summary["train"]["block_size"] == 16  # the flagship's block size instead of the preset's 8
     assert json.loads((tmp_path / "demo" / "run" / "drafter" / "config.json").read_text())["block_size"] == 16
     assert json.loads((tmp_path / "demo" / "run" / "run.json").read_text())["config"]["gamma"] == 7.0  # DESIGN 3.4
-    assert summary["cache"]["bytes_per_token"] > 0 and len(summary["report"]["plots"]) == 4
+    assert summary["cache"]["bytes_per_token"] > 0 and len(summary["report"]["plots"]) == 5
+    assert summary["report"]["plots"][-1].endswith("report-tau-by-kind.png")
+    kinds = summary["eval"]["by_kind"]
+    assert sum(k["prompts"] for k in kinds.values()) == 6 and set(kinds) <= {"thinking", "non_thinking", "tool_call"}
     for stage in ("[1/5] extract", "[3/5] train", "[5/5] report"):
         assert stage in result.stderr
     assert json.loads((tmp_path / "demo" / "demo.json").read_text())["eval"] == summary["eval"]

@@ -51,14 +51,36 @@ def test_kind_of_turn_follows_the_templates_think_block(qwen36):
 
 @pytest.fixture(scope="module")
 def grouped(trained_run, heldout_rows, tmp_path_factory):
-    rows = [dict(row) for row in heldout_rows[:7]]
+    rows = [dict(row) for row in pick_kinds(heldout_rows)]
     for i, row in enumerate(rows[:6]):
         row["category"] = "even" if i % 2 == 0 else "odd"
     path = tmp_path_factory.mktemp("groups") / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = run_eval(trained_run["run"], target=None, prompts=path, max_new_tokens=24, block_size=None,
+    result = run_eval(trained_run["run"], target=None, prompts=path, max_new_tokens=32, block_size=None,
                       tree_budgets=[4], tree_top_k=4, limit=None, group_by="category")
     return path, result
+
+
+def expected_kind(row: dict) -> str:
+    """The oracle, from the row itself: the held-out rows' last turn is the target's own greedy
+    answer, so it calls a tool exactly when the row's last message does; otherwise the row's
+    thinking mode decides."""
+    if row["messages"][-1].get("tool_calls"):
+        return "tool_call"
+    return "thinking" if row["chat_template_kwargs"]["enable_thinking"] else "non_thinking"
+
+
+def pick_kinds(rows: list[dict]) -> list[dict]:
+    """Seven held-out rows: three thinking, two non-thinking, two ending at a tool call."""
+    wanted = {"thinking": 3, "non_thinking": 2, "tool_call": 2}
+    picked = []
+    for row in rows:
+        kind = expected_kind(row)
+        if wanted[kind]:
+            wanted[kind] -= 1
+            picked.append(row)
+    assert not any(wanted.values()), wanted
+    return picked
 
 
 def _sums_to_the_whole(groups: dict, whole: dict) -> None:
@@ -78,9 +100,29 @@ def test_groups_by_a_field_sum_to_the_whole(grouped):
 def test_kinds_cover_every_prompt(grouped):
     _, result = grouped
     kinds = result["by_kind"]
-    assert sum(g["prompts"] for g in kinds.values()) == 7
-    assert set(kinds) <= {"thinking", "non_thinking", "tool_call"}
+    assert {k: g["prompts"] for k, g in kinds.items()} == {"thinking": 3, "non_thinking": 2, "tool_call": 2}
     _sums_to_the_whole([g["block"] for g in kinds.values()], result["block"])
+
+
+def test_the_report_shows_decoded_tau_by_kind(grouped, trained_run, tmp_path):
+    """`pipeline report RUN --eval EVAL_JSON`: eval's pooled tau, overall and per kind, beside the
+    training verdicts, and a plot; a file that is not an eval result is a one-line error."""
+    _, result = grouped
+    eval_json = tmp_path / "eval.json"
+    eval_json.write_text(json.dumps(result))
+    done = cli("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"), "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)["eval"]
+    assert shown["block"] == result["block"]["tau_pooled"] and shown["tree"]["4"] == result["tree"]["4"]["tau_pooled"]
+    assert {k: (g["prompts"], g["block"]) for k, g in shown["by_kind"].items()} == \
+        {k: (g["prompts"], g["block"]["tau_pooled"]) for k, g in result["by_kind"].items()}
+    assert (tmp_path / "plots" / "report-tau-by-kind.png").stat().st_size > 0
+    table = cli("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"))
+    assert "decoded tau" in table.stdout and "tool-call" in table.stdout
+    eval_json.write_text(json.dumps({"prompts": 3}))
+    bad = cli("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"))
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+    assert f"--eval {eval_json}: not a `pipeline eval --json` result" in bad.stderr
 
 
 def test_a_field_no_row_has_is_one_line(grouped, trained_run):

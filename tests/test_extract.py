@@ -17,10 +17,20 @@ TAPS = [1, 3, 5]
 
 
 def pick_rows(rows, n):
-    """n rows that include system prompts and multi-turn conversations."""
-    multi = [r for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) > 1 and r["messages"][0]["role"] == "system"]
+    """n rows that include system prompts and multi-turn conversations (the first four), tool
+    calls and replies, and both thinking modes."""
+    multi = [r for r in rows if sum(m["role"] == "user" for m in r["messages"]) > 1 and r["messages"][0]["role"] == "system"]
     rest = [r for r in rows if r not in multi]
-    return multi[:4] + rest[:n - 4]
+    picked = multi[:4] + rest[:n - 4]
+    assert any(m["role"] == "tool" for r in picked for m in r["messages"])
+    assert {r["chat_template_kwargs"]["enable_thinking"] for r in picked} == {False, True}
+    return picked
+
+
+def reference_tokens(tokenizer, row):
+    """The row tokenized and masked directly, with its own tools and thinking mode."""
+    return tokenize_conversation(tokenizer, row["messages"], "<|im_end|>", tools=row.get("tools"),
+                                 **row.get("chat_template_kwargs", {}))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,7 @@ def test_cache_equals_an_independent_forward(cache, small_data, target, tokenize
     assert summary["samples"] == len(rows) and summary["shards_written"] == 3
     for sid in [0, 1, 2, 3, 10, 23]:  # 0-3 are multi-turn with a system prompt
         sample = reader.find(sid).sample(sid)
-        ref = tokenize_conversation(tokenizer, rows[sid]["messages"], "<|im_end|>")
+        ref = reference_tokens(tokenizer, rows[sid])
         assert sample["input_ids"].tolist() == ref.input_ids
         assert sample["loss_mask"].tolist() == ref.loss_mask
         with torch.no_grad():
@@ -85,22 +95,32 @@ def test_labels_follow_the_targets_own_predictions(cache):
     assert rates[-1] < 0.5 and rates[1] < 0.5, rates
 
 
-def test_loss_mask_boundaries_in_the_cache(cache, tokenizer):
+def test_loss_mask_boundaries_in_the_cache(cache, small_data, tokenizer):
+    """Each supervised span starts right after the assistant header plus whatever the template
+    supplies there (DESIGN 5), and ends on the <|im_end|> that closes the turn."""
     data = decoded(cache[0])
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    assistant = tokenizer("assistant", add_special_tokens=False)["input_ids"]
-    sample = data[0]  # system + multi-turn
-    ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].tolist()
-    starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
-    ends = [i for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
-    assert len(starts) >= 2
-    for a, b in zip(starts, ends):
-        # The header <|im_start|>assistant\n sits right before the span and is unsupervised.
-        assert ids[a - 3] == im_start and ids[a - 2:a - 1] == assistant and not any(mask[a - 3:a])
-        # The closing <|im_end|> is supervised and ends the span.
-        assert ids[b] == im_end
-    # System and user turns are never supervised.
-    assert mask[: ids.index(im_start, 1)] == [0] * ids.index(im_start, 1)
+    header = "<|im_start|>assistant\n"
+    for sid in range(4):  # system + multi-turn rows
+        thinking = small_data[1][sid]["chat_template_kwargs"]["enable_thinking"]
+        ids, mask = data[sid]["input_ids"].tolist(), data[sid]["loss_mask"].tolist()
+        starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
+        ends = [i for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+        assert len(starts) >= 2
+        supplied = []
+        for a, b in zip(starts, ends):
+            h = max(i for i in range(a) if ids[i] == im_start)
+            before = tokenizer.decode(ids[h:a])
+            # Qwen3.6 renders earlier turns without a think block; the turns after the last user
+            # message follow the generation prompt, which supplies "<think>\n" with thinking on
+            # and an empty block with thinking off.
+            assert before in {header, header + "<think>\n", header + "<think>\n\n</think>\n\n"}, before
+            assert not any(mask[h:a])
+            supplied.append(before[len(header):])
+            assert ids[b] == im_end
+        assert supplied[-1] == ("<think>\n" if thinking else "<think>\n\n</think>\n\n")
+        # System and user turns are never supervised.
+        assert mask[: ids.index(im_start, 1)] == [0] * ids.index(im_start, 1)
 
 
 def test_offsets_and_sample_ids(cache, small_data):
@@ -172,18 +192,47 @@ def test_fp8_mode(tmp_path, small_data, cache):
         assert err.max() < 0.07, err.max()  # e4m3: 3 mantissa bits, scaled per token and tap
 
 
+def sharegpt_turn(m: dict) -> dict:
+    """LLaMA-Factory's ShareGPT: a call is a `function_call` turn, a reply an `observation`."""
+    if m.get("tool_calls"):
+        assert len(m["tool_calls"]) == 1 and not m.get("reasoning_content") and not m["content"]
+        return {"from": "function_call", "value": json.dumps(m["tool_calls"][0]["function"])}
+    turn = {"from": {"user": "human", "assistant": "gpt", "tool": "observation"}.get(m["role"], m["role"]),
+            "value": m["content"]}
+    if m.get("reasoning_content") is not None:
+        turn["reasoning_content"] = m["reasoning_content"]
+    return turn
+
+
 def test_input_formats_give_the_same_cache(tmp_path, small_data, cache, tokenizer):
     rows = small_data[1]
-    sharegpt = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
-                                    "value": m["content"]} for m in r["messages"]]} for r in rows]
+    # ShareGPT has no place for reasoning before a call: such a row stays in the messages format
+    # (the reader takes either format row by row), every other row is written as ShareGPT.
+    sharegpt, converted = [], 0
+    for r in rows:
+        if any(m.get("tool_calls") and m.get("reasoning_content") for m in r["messages"]):
+            sharegpt.append(r)
+            continue
+        converted += 1
+        sharegpt.append({"conversations": [sharegpt_turn(m) for m in r["messages"]],
+                         **{k: r[k] for k in ("tools", "chat_template_kwargs") if k in r}})
+    assert converted >= len(rows) - 4 and any("function_call" in json.dumps(r) for r in sharegpt)
     pretok = []
     for r in rows:
-        t = tokenize_conversation(tokenizer, r["messages"], "<|im_end|>")
+        t = reference_tokens(tokenizer, r)
         pretok.append({"input_ids": t.input_ids, "loss_mask": t.loss_mask})
     import pyarrow as pa
     import pyarrow.parquet as pq
     parquet = tmp_path / "convs.parquet"
-    pq.write_table(pa.Table.from_pylist([{"messages": r["messages"]} for r in rows]), parquet)
+    # One Arrow schema for every row: tool schemas as a JSON string and call arguments as JSON
+    # strings (the OpenAI wire format), as datasets on the hub store them.
+    def arrow_row(r):
+        messages = [{**m, "tool_calls": [{"type": "function", "function": {
+            "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}} for c in m["tool_calls"]]}
+            if m.get("tool_calls") else m for m in r["messages"]]
+        return {"messages": messages, "tools": json.dumps(r["tools"]) if r.get("tools") else None,
+                "chat_template_kwargs": r["chat_template_kwargs"]}
+    pq.write_table(pa.Table.from_pylist([arrow_row(r) for r in rows]), parquet)
     for name, data in (("sharegpt", write_rows(tmp_path / "sg.jsonl", sharegpt)),
                        ("pretok", write_rows(tmp_path / "pt.jsonl", pretok)), ("parquet", parquet)):
         extract(tmp_path / name, data)

@@ -178,7 +178,7 @@ def test_skip_policies_are_counted(tmp_path, train_rows):
     path.write_text("\n".join(rows) + "\n")
     cache = tmp_path / "cache"
     result = cli_here("extract", "--cache", str(cache), "--data", str(path), "--num-shards", "1", "--on-error", "skip",
-                      "--max-length", "60", "--overlong", "skip", "--json")
+                      "--max-length", "100", "--overlong", "skip", "--json")
     assert result.returncode == 0, result.stderr
     counts = manifest(cache)["shards"]["shard-00000"]["counts"]
     assert counts["rows"] == 9 and counts["malformed"] == 2 and counts["no_supervised_tokens"] == 1

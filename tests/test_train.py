@@ -33,7 +33,10 @@ SAME = ("step", "epoch", "loss", "accuracy", "top4_acc", "avg_streak", "ddtree_s
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, train_rows):
-    return small_cache(tmp_path_factory.mktemp("train"), train_rows[:240], 2)
+    """240 rows without tool schemas (thinking and not): a row's tool schemas make it 3x longer,
+    and these tests' step budgets (60 steps to learn a planted mapping) were set for short rows;
+    training on rows with tools is covered by the shared trained_run."""
+    return small_cache(tmp_path_factory.mktemp("train"), [r for r in train_rows if not r.get("tools")][:240], 2)
 
 
 def train(cache, out, **overrides):
@@ -46,11 +49,11 @@ def read_log(run):
 
 
 def test_drafter_learns_and_its_export_reloads(trained_run, tmp_path, embedded):
-    """The shared trained drafter (conftest: the tiny preset, 150 steps, log every 10)."""
-    cache = trained_run["cache"]
+    """The shared trained drafter (conftest: the tiny preset, log every 10)."""
+    cache, steps = trained_run["cache"], trained_run["steps"]
     shutil.copytree(trained_run["run"], tmp_path / "run")  # resumed below: the shared run stays as it is
     lines = read_log(tmp_path / "run")
-    assert DESIGN_KEYS <= set(lines[0]) and [x["step"] for x in lines] == [1, *range(10, 151, 10)]
+    assert DESIGN_KEYS <= set(lines[0]) and [x["step"] for x in lines] == [1, *range(10, steps + 1, 10)]
     assert len(lines[-1]["pos_acc"]) == 7  # slots 1..B-1 for the tiny preset's B = 8
     first, last = lines[0], lines[-1]
     assert last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])
@@ -71,8 +74,8 @@ def test_drafter_learns_and_its_export_reloads(trained_run, tmp_path, embedded):
     assert metrics["accuracy"] > 0.35, metrics
     # A resumed run of a finished training is a no-op that exports the same drafter again.
     exported = (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes()
-    again = train(cache, tmp_path / "run", max_steps=150, log_every=10)
-    assert again["resumed"] and again["steps"] == 150 and len(read_log(tmp_path / "run")) == len(lines)
+    again = train(cache, tmp_path / "run", max_steps=steps, log_every=10)
+    assert again["resumed"] and again["steps"] == steps and len(read_log(tmp_path / "run")) == len(lines)
     assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == exported
 
 
@@ -353,9 +356,13 @@ def test_two_process_resume_is_exact(cache, tmp_path, two_process_run):
 
 
 def test_soft_kl_and_noise_options_train(cache, tmp_path):
-    train(cache, tmp_path / "kl", max_steps=30, warmup_steps=5, log_every=1, loss="kl", noise_std=0.05)
+    train(cache, tmp_path / "kl", max_steps=40, warmup_steps=5, log_every=1, loss="kl", noise_std=0.05)
     lines = read_log(tmp_path / "kl")
-    assert lines[-1]["loss"] < 0.6 * lines[0]["loss"] and lines[-1]["accuracy"] > 0.15
+    # The last five steps, not the last one: batches of thinking and plain rows swing one step's
+    # accuracy between 0.12 and 0.21 on their own.
+    last = lines[-5:]
+    assert sum(x["loss"] for x in last) / 5 < 0.6 * lines[0]["loss"]
+    assert sum(x["accuracy"] for x in last) / 5 > 0.15
     assert {x["noise_std"] for x in lines} == {0.05}
 
 

@@ -35,7 +35,10 @@ def parse_assistant(generated: str, supplied: str = "") -> Parsed:
     message: dict = {"role": "assistant"}
     if THINK_CLOSE in text:
         before, text = text.split(THINK_CLOSE, 1)
-        message["reasoning_content"] = before.split(THINK_OPEN)[-1].strip()
+        reasoning = before.split(THINK_OPEN)[-1].strip()
+        if reasoning or THINK_CLOSE not in supplied:
+            # A block the prompt closed itself (thinking off) is not reasoning the target wrote.
+            message["reasoning_content"] = reasoning
         text = text.lstrip("\n")
     elif text.startswith(THINK_OPEN):
         # The turn ended inside its reasoning: nothing the templates can render as a field.

@@ -10,6 +10,9 @@ for this model) has it split here the way the chat template renders it (assistan
 Model/tokenizer mismatch: the server must list `--model` in /v1/models, and, when the target's
 tokenizer is known, the prompt token count the server reports must equal ours for the first
 turn.
+A vLLM server started without `--enable-auto-tool-choice` refuses a request with `tools` (400):
+that request is sent again with `"tool_choice": "none"` (the template still renders the tools;
+the raw text is split here), and every later one with tools goes out that way at once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pipeline.generate.turns import Written
 
 RETRIES, BACKOFF_S, TIMEOUT_S = 4, 0.5, 600
 TRANSIENT = {408, 429, 500, 502, 503, 504}
+AUTO_TOOL_CHOICE = "--enable-auto-tool-choice"   # in vLLM's 400 for tools without a tool-call parser
 
 
 class ServerError(Exception):
@@ -55,6 +59,7 @@ class Server:
         self.identity = {"backend": "server", "url": url, "model": self.model}
         self.device = f"server {url}"
         self.failures = 0          # transient errors retried
+        self.tool_choice_none = False   # the server refused tools under the default tool_choice "auto"
         self._checked_tokens = tokenizer is None
 
     def _check_model(self, model: str | None) -> str:
@@ -75,6 +80,8 @@ class Server:
                 "temperature": self.temperature, "top_p": self.top_p, "seed": turn.seed}
         if turn.tools:
             body["tools"] = turn.tools
+            if self.tool_choice_none:
+                body["tool_choice"] = "none"
         if turn.template_kwargs:
             body["chat_template_kwargs"] = turn.template_kwargs
         delay = BACKOFF_S
@@ -83,6 +90,9 @@ class Server:
                 return _post(self.base + "/chat/completions", body, self.timeout)
             except urllib.error.HTTPError as e:
                 detail = e.read()[:300].decode("utf-8", "replace")
+                if e.code == 400 and turn.tools and "tool_choice" not in body and AUTO_TOOL_CHOICE in detail:
+                    self.tool_choice_none = True
+                    return self._request(turn, where)   # once: now with "tool_choice": "none"
                 if e.code not in TRANSIENT or attempt == RETRIES:
                     raise ServerError(f"{where}: the server answered {e.code} ({detail.strip()})") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from pipeline.report.logs import DIRECTION, QUALITY, Run
+from pipeline.report.logs import CLIFF_FLOOR, DIRECTION, QUALITY, Run
 from pipeline.report.stats import anomalies, cliffs, compare, extrapolate, window
 
 METRICS = QUALITY + ["grad_norm", "lr"]
@@ -91,7 +91,8 @@ def analyse(run: Run, *, size: int, every: int | None, epochs: float | None) -> 
             out["half_epochs"][metric] = rows
         if metric in QUALITY:
             out["cliffs"] += [{"metric": metric, **c} for c in cliffs(steps, values, DIRECTION[metric],
-                                                                       before=min(20, max(3, len(values) // 5)))]
+                                                                       before=min(20, max(3, len(values) // 5)),
+                                                                       floor=CLIFF_FLOOR.get(metric, 0.0))]
             value = extrapolate(steps, values, final)
             if value is not None:
                 value = max(value, 0.0)

@@ -11,7 +11,8 @@ faults planted, BENCHMARKS "Live verdicts"):
   is not learning. (The z alone misfired on the clean demo run at step 45, 4.17 -> 2.90 with
   z -1.4: the first window holds the steep start of training, so its spread is large.)
 - quality_cliff: a sudden move in the bad direction of loss, accuracy or avg_streak (the report's
-  cliff rule: the next entries worse than the previous window by 4 spreads and by 5%).
+  cliff rule: the next entries worse than the previous window by 4 spreads, by 5% and by at least
+  CLIFF_FLOOR of a rate or streak, so chance-level accuracy wobbling near zero is no cliff).
 - grad_norm_spike: a grad norm above the run's median + 10 MAD (the report's anomaly rule; the
   first tenth of the log, when large gradients are normal, left out) and above SPIKE_RATIO x the
   median (a clean 200-step run on the tiny target had a 2.05x "spike" by the MAD rule alone).
@@ -42,6 +43,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from pipeline.report.logs import CLIFF_FLOOR
 from pipeline.report.stats import anomalies, cliffs, compare, window
 
 SPIKE_RATIO = 2.5
@@ -138,7 +140,8 @@ class LiveVerdicts:
         for key, direction in (("loss", -1), ("accuracy", 1), ("avg_streak", 1)):
             steps, values = self.points(key)
             recent = values[-(2 * w + 3):]
-            found_cliffs = cliffs(steps[-len(recent):], recent, direction, before=min(20, max(3, len(recent) // 3)))
+            found_cliffs = cliffs(steps[-len(recent):], recent, direction, before=min(20, max(3, len(recent) // 3)),
+                                  floor=CLIFF_FLOOR.get(key, 0.0))
             if found_cliffs:
                 moved.append((key, found_cliffs[0]))
         if moved:

@@ -16,6 +16,11 @@ DIRECTION = {"loss": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_strea
 GROUPS = {"loss": ["loss"], "accuracy": ["accuracy", "top4_acc", "top8_acc"],
           "streaks": ["avg_streak", "ddtree_streak4", "ddtree_streak8"], "optimisation": ["lr", "grad_norm"]}
 QUALITY = ["loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4", "ddtree_streak8"]
+# The smallest bad move that counts as a cliff, whatever the spread before it: rates and streaks
+# near zero move by large fractions of themselves on noise alone (a run with random labels, at
+# chance accuracy, "fell" from 0.0027 to 0.0014 and was called a cliff).
+CLIFF_FLOOR = {"accuracy": 0.01, "top4_acc": 0.01, "top8_acc": 0.01, "avg_streak": 0.05, "ddtree_streak4": 0.05,
+               "ddtree_streak8": 0.05}
 
 
 @dataclass

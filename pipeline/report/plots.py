@@ -38,3 +38,32 @@ def plot(runs: list[Run], out_dir: Path, size: int) -> list[str]:
         plt.close(fig)
         written.append(str(path))
     return written
+
+
+def plot_kinds(decoded: dict, out_dir: Path) -> str:
+    """Pooled tau per kind of turn, block and each DDTree budget side by side (report-tau-by-kind.png)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kinds = list(decoded["by_kind"])
+    methods = ["block", *decoded["tree"]]
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(kinds), 3.6))
+    width = 0.8 / len(methods)
+    for m, method in enumerate(methods):
+        values = [decoded["by_kind"][k]["block"] if method == "block" else decoded["by_kind"][k]["tree"].get(method, 0.0)
+                  for k in kinds]
+        ax.bar([i + m * width for i in range(len(kinds))], values, width,
+               label="block" if method == "block" else f"DDTree {method}")
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(kinds))])
+    ax.set_xticklabels([f"{k.replace('_', '-')}\n({decoded['by_kind'][k]['prompts']} prompts)" for k in kinds])
+    ax.set_ylabel("tau (pooled)")
+    ax.set_title("decoded tau by kind of turn")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "report-tau-by-kind.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

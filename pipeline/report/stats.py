@@ -47,10 +47,10 @@ def compare(before: dict, after: dict, direction: int) -> dict:
 
 
 def cliffs(steps: list[float], values: list[float], direction: int, *, before: int = 20, after: int = 3,
-           threshold: float = 4.0) -> list[dict]:
+           threshold: float = 4.0, floor: float = 0.0) -> list[dict]:
     """Sudden moves in the bad direction: the mean of the next `after` entries is worse than the
     mean of the previous `before` by more than `threshold` times their spread (and by more than
-    5% of the metric's scale), so one noisy point is not a cliff."""
+    5% of the metric's scale and more than `floor`), so one noisy point is not a cliff."""
     found, i = [], before
     if direction == 0:
         return found
@@ -60,7 +60,7 @@ def cliffs(steps: list[float], values: list[float], direction: int, *, before: i
         spread = statistics.stdev(pre) if len(pre) > 1 else 0.0
         drop = (statistics.fmean(post) - mean_pre) * direction
         scale = max(abs(mean_pre), 1e-12)
-        if drop < 0 and -drop > threshold * spread and -drop > 0.05 * scale:
+        if drop < 0 and -drop > threshold * spread and -drop > 0.05 * scale and -drop > floor:
             # Place it at the sharpest single move inside the window that tripped the test.
             j = min(range(i, min(i + after, len(values))), key=lambda k: (values[k] - values[k - 1]) * direction)
             found.append({"step": steps[j], "before": statistics.fmean(values[max(0, j - before):j]),

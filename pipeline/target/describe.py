@@ -8,17 +8,19 @@ import time
 
 import torch
 
-from pipeline.data.loss_mask import tokenize_conversation
+from pipeline.data.loss_mask import ConversationMasker
 
 
 @torch.no_grad()
-def self_agreement(model, tokenizer, conversations: list[list[dict]], end_of_turn: str) -> dict:
-    """Share of supervised tokens the target predicts itself (teacher-forced top-1)."""
+def self_agreement(model, tokenizer, rows: list, end_of_turn: str) -> dict:
+    """Share of supervised tokens the target predicts itself (teacher-forced top-1). `rows`: parsed
+    rows (pipeline/data/conversations.py), rendered with their own tools and template kwargs."""
     same = total = 0
     start = time.perf_counter()
     num_tokens = 0
-    for messages in conversations:
-        sample = tokenize_conversation(tokenizer, messages, end_of_turn)
+    masker = ConversationMasker(tokenizer, end_of_turn)
+    for row in rows:
+        sample = masker(row.messages, tools=row.tools, row_kwargs=row.template_kwargs, where=row.where)
         ids = torch.tensor([sample.input_ids])
         predicted = model(input_ids=ids).logits[0, :-1].argmax(-1)
         mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
@@ -26,7 +28,7 @@ def self_agreement(model, tokenizer, conversations: list[list[dict]], end_of_tur
         total += int(mask.sum())
         num_tokens += ids.shape[1]
     seconds = time.perf_counter() - start
-    return {"agreement": same / max(total, 1), "supervised_tokens": total, "conversations": len(conversations),
+    return {"agreement": same / max(total, 1), "supervised_tokens": total, "conversations": len(rows),
             "forward_tokens_per_s": num_tokens / seconds}
 
 

@@ -2,16 +2,19 @@
 
 Same pre-tokenization as Qwen (regex split, then byte-level), merges learned on the synthetic
 corpus, and Qwen's chat special tokens appended after the learned vocabulary, as in Qwen's
-own vocabulary layout. Training is deterministic for a given corpus.
+own vocabulary layout; then the think and tool markers (`<think>`, `<tool_call>`, ...) as added
+tokens that are not special (single tokens the model writes and decoding keeps, as in Qwen's
+tokenizer). The markers are taken out of the merge-learning text, so no merge is spent on
+spelling them. Training is deterministic for a given corpus.
 """
 
 from __future__ import annotations
 
 import json
 
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from pipeline.toy.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, SPECIAL_TOKENS
+from pipeline.toy.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, MARKERS, SPECIAL_TOKENS
 from pipeline.target.internals import qwen3_5_pretokenizer
 
 PRETOKENIZE_REGEX, Qwen3_5Tokenizer = qwen3_5_pretokenizer()
@@ -34,7 +37,12 @@ def train_tokenizer(texts: list[str], num_merged_tokens: int) -> Qwen3_5Tokenize
         show_progress=False,
         special_tokens=[],
     )
-    bpe.train_from_iterator(texts, trainer=trainer)
+    def plain(text: str) -> str:
+        for token in SPECIAL_TOKENS + MARKERS:
+            text = text.replace(token, "\n")
+        return text
+
+    bpe.train_from_iterator([plain(t) for t in texts], trainer=trainer)
     state = json.loads(bpe.to_str())["model"]
     vocab: dict[str, int] = dict(sorted(state["vocab"].items(), key=lambda kv: kv[1]))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
@@ -49,5 +57,6 @@ def train_tokenizer(texts: list[str], num_merged_tokens: int) -> Qwen3_5Tokenize
         chat_template=CHAT_TEMPLATE,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS if t != END_OF_TEXT]})
+    tokenizer.add_tokens([AddedToken(m, normalized=False, special=False) for m in MARKERS])
     tokenizer.model_max_length = 4096
     return tokenizer

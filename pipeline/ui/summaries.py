@@ -186,8 +186,24 @@ def _report_tables(result: dict) -> None:
         _report_run(run)
     if "comparison" in result:
         _report_comparison(result)
+    if "eval" in result:
+        _report_eval(result["eval"])
     for path in result.get("plots", []):
         console.print(f"plot: {path}", highlight=False)
+
+
+def _report_eval(decoded: dict) -> None:
+    """Decoded tau (pooled) overall and per kind of turn, block and each DDTree budget."""
+    budgets = list(decoded["tree"])
+    table = Table(title=f"decoded tau ({decoded['file']}: {decoded['prompts']} prompts, outputs identical to "
+                        f"greedy: {'yes' if decoded['lossless'] else 'NO'})", title_justify="left")
+    for col in ("turns", "prompts", "block", *(f"DDTree {b}" for b in budgets)):
+        table.add_column(col)
+    table.add_row("all", str(decoded["prompts"]), f"{decoded['block']:.2f}", *(f"{decoded['tree'][b]:.2f}" for b in budgets))
+    for kind, g in decoded["by_kind"].items():
+        table.add_row(kind.replace("_", "-"), str(g["prompts"]), f"{g['block']:.2f}",
+                      *(f"{g['tree'][b]:.2f}" if b in g["tree"] else "-" for b in budgets))
+    console.print(table)
 
 
 def _report_run(run: dict) -> None:
@@ -280,6 +296,10 @@ def show_demo(summary: dict, json_out: bool) -> None:
         ("tau (block)", f"{e['block_tau_mean_of_means']:.2f} mean of per-response means, {e['block_tau_pooled']:.2f} pooled"),
         # The demo's keys ddtree<budget>_tau_pooled: one row per tree budget.
         *[(f"tau (DDTree {k[6:].split('_')[0]})", f"{v:.2f} pooled") for k, v in e.items() if k.startswith("ddtree")],
+        # Per kind of turn: block / each DDTree budget, pooled.
+        *[(f"tau, {kind.replace('_', '-')} turns", f"{g['prompts']} prompts: " + " / ".join(
+            f"{v:.2f}" for k, v in g.items() if k.endswith("_tau_pooled")) + " (block / DDTree " + ", ".join(
+            k[6:].split('_')[0] for k in g if k.startswith("ddtree")) + ")") for kind, g in e.get("by_kind", {}).items()],
         ("drafter", t["drafter"]),
         ("report", ", ".join(summary["report"]["plots"])),
         # The timings' keys are <step>_s, shown as '<step> N s'.
