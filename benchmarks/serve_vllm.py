@@ -323,20 +323,23 @@ def rows_equal(a: Path, b: Path, tokenizer, target: Path) -> dict:
     def text(row):
         return render(tokenizer, row.messages, generation_prompt=False, tools=row.tools, template_kwargs=row.template_kwargs)
 
-    differing = []
-    for x, y in zip(left, right):
-        ours, theirs = (tokenizer(text(r), add_special_tokens=False)["input_ids"] for r in (x, y))
-        if ours != theirs:
-            at = next((i for i, (p, q) in enumerate(zip(ours, theirs)) if p != q), min(len(ours), len(theirs)))
-            differing.append((x.row_id, ours[:at], ours[at:], theirs[at:]))
+    rendered_equal, differing = 0, []
+    for served, local in zip(left, right):
+        served_text, local_text = text(served), text(local)
+        if served_text == local_text:
+            rendered_equal += 1
+            continue
+        served_ids, local_ids = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (served_text, local_text))
+        at = next((i for i, (p, q) in enumerate(zip(served_ids, local_ids)) if p != q), min(len(served_ids), len(local_ids)))
+        differing.append((served.row_id, served_ids[:at], served_ids[at:], local_ids[at:]))
     departures = judged(target, [d[1] for d in differing], [d[2] for d in differing], [d[3] for d in differing])
     return {"rows_equal_in_process": sum(x.messages == y.messages for x, y in zip(left, right)),
-            "rows_rendering_equal_in_process": sum(text(x) == text(y) for x, y in zip(left, right)),
+            "rows_rendering_equal_in_process": rendered_equal,
             "rows_compared": min(len(left), len(right)),
             "rows_departing_at_ties": sum(d.tie for d in departures),
-            "row_differences": [{"row": row, "tie": d.tie, "gap": d.gap, "in_process": tokenizer.decode(theirs[:12]),
-                                 "vllm": tokenizer.decode(ours[:12])}
-                                for (row, _, ours, theirs), d in zip(differing, departures)][:20]}
+            "row_differences": [{"row": row, "tie": d.tie, "gap": d.gap, "in_process": tokenizer.decode(local_ids[:12]),
+                                 "vllm": tokenizer.decode(served_ids[:12])}
+                                for (row, _, served_ids, local_ids), d in zip(differing, departures)][:20]}
 
 
 def tool_choice_probe(engine: Engine, rows: Path, max_new: int) -> bool | None:

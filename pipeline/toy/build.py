@@ -103,16 +103,18 @@ def shares(conversations: list[tasks.Conversation]) -> dict:
     def share(test) -> float:
         return round(sum(bool(test(c)) for c in conversations) / n, 4)
 
-    last = [c.messages[-1] for c in conversations]
+    def ends_at_call(c) -> bool:
+        return bool(c.messages[-1].get("tool_calls"))
+
     return {"rows": n,
             "thinking": share(lambda c: c.thinking),
             "tools_given": share(lambda c: c.tools),
             "tool_called": share(lambda c: any(m.get("tool_calls") for m in c.messages)),
-            "ends_at_pending_call": share(lambda c: c.messages[-1].get("tool_calls")),
+            "ends_at_pending_call": share(ends_at_call),
             "multi_turn": share(lambda c: sum(m["role"] == "user" for m in c.messages) > 1),
-            "last_turn": {"thinking": round(sum(not m.get("tool_calls") and c.thinking for m, c in zip(last, conversations)) / n, 4),
-                          "non_thinking": round(sum(not m.get("tool_calls") and not c.thinking for m, c in zip(last, conversations)) / n, 4),
-                          "tool_call": round(sum(bool(m.get("tool_calls")) for m in last) / n, 4)}}
+            "last_turn": {"thinking": share(lambda c: not ends_at_call(c) and c.thinking),
+                          "non_thinking": share(lambda c: not ends_at_call(c) and not c.thinking),
+                          "tool_call": share(ends_at_call)}}
 
 
 def per_user_turn(messages: list[dict]) -> list[tuple[list, str]]:
