@@ -40,6 +40,18 @@ def two_nodes(*args: str, env: dict | None = None, max_restarts: int = 0, timeou
     return results
 
 
+def failures(results: list[subprocess.CompletedProcess]) -> str:
+    """Each launcher's exit code, the lines of its stderr that name an error (a worker's own
+    traceback sits above torchrun's summary, out of reach of a plain tail) and the tail."""
+    said = []
+    for rank, r in enumerate(results):
+        lines = r.stderr.splitlines()
+        errors = [x for x in lines if any(w in x for w in ("Error", "error:", "Traceback", "Exception", "timeout"))]
+        said.append(f"launcher {rank}: exit {r.returncode}\n  " + "\n  ".join(errors[-30:]) + "\n  tail:\n"
+                    + "\n".join(lines[-15:]))
+    return "\n".join(said)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, train_rows):
     return write_rows(tmp_path_factory.mktemp("nodes") / "convs.jsonl", train_rows[:16])
@@ -58,7 +70,7 @@ def digests(cache) -> dict[str, str]:
 def test_two_node_extract_equals_one_node_in_a_directory(data, one_node, tmp_path):
     cache = tmp_path / "cache"
     results = two_nodes("extract", "--cache", str(cache), "--data", str(data), "--num-shards", str(SHARDS), "--json")
-    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    assert all(r.returncode == 0 for r in results), failures(results)
     assert len(digests(cache)) == SHARDS and digests(cache) == digests(one_node)
     records = manifest_json(cache)["shards"].values()
     assert {r["layout"]["dp"] for r in records} == {2}
@@ -71,7 +83,7 @@ def test_two_node_extract_equals_one_node_in_a_bucket(data, one_node, tmp_path):
         bucket = server.new_bucket()
         results = two_nodes("extract", "--cache", f"s3://{bucket}/hs", "--data", str(data), "--num-shards", str(SHARDS),
                             "--json", env=server.env())
-        assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+        assert all(r.returncode == 0 for r in results), failures(results)
         copied = download(server.client(), bucket, "hs/", tmp_path / "copied")
     finally:
         server.stop()
@@ -90,7 +102,7 @@ def export_bytes(run) -> dict[str, bytes]:
 def two_node_run(one_node, tmp_path_factory):
     run = tmp_path_factory.mktemp("two-nodes") / "run"
     results = two_nodes("train", "--cache", str(one_node), "--out", str(run), *TRAIN)
-    assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
+    assert all(r.returncode == 0 for r in results), failures(results)
     return run
 
 
@@ -115,7 +127,7 @@ def test_a_killed_worker_is_restarted_and_resumes_to_the_same_bytes(one_node, tw
     results = two_nodes("train", "--cache", str(one_node), "--out", str(run), *TRAIN, env=env, max_restarts=1,
                         timeout=300)
     assert (tmp_path / "killed-once").exists(), "the failpoint never fired"
-    assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
+    assert all(r.returncode == 0 for r in results), failures(results)
     assert json.loads((run / "run.json").read_text())["resumed_from_step"] == 4
     assert export_bytes(run) == export_bytes(two_node_run)
     whole = {row["step"]: row["loss"] for row in read_log(two_node_run)}

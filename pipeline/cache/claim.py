@@ -21,7 +21,9 @@ def refuse_foreign_content(location: Location) -> None:
     if location.read(MANIFEST) is not None:
         return
     foreign = [k for k in location.some_keys(20) if not _ours(k)]
-    if foreign:
+    # Another writer of this same cache (a second node starting with this one) may create the
+    # manifest and its first shard between the read above and the listing: look once more.
+    if foreign and location.read(MANIFEST) is None:
         raise PipelineError(f"{location.where()}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''} "
                             "but no cache manifest.json: not a cache; choose an empty --cache location")
 
