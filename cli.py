@@ -244,10 +244,15 @@ def eval_(
     device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Target and drafter dtype: 'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")] = "auto",
     group_by: Annotated[Optional[str], typer.Option(help="Also report tau per value of this row field (e.g. category or source); tau per kind of turn (thinking, non-thinking, tool call) is always reported.")] = None,
+    temperature: Annotated[float, typer.Option(help="0: greedy (default). > 0: speculative sampling at this temperature (lossless in distribution; the baseline is plain sampling), the target's and the drafter's distributions warped alike.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Sampling: keep the most likely tokens whose mass reaches this (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sampling: keep the K most likely tokens (0: off).")] = 0,
+    seed: Annotated[int, typer.Option(help="Sampling: the seed; a prompt's random numbers depend on it and the prompt's index only, so --batch-size does not change the tokens.")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Real speculative decoding with the live target (greedy): acceptance length tau for DFlash
-    blocks and DDTree trees, checked token for token against plain greedy decoding."""
+    """Real speculative decoding with the live target: acceptance length tau for DFlash blocks and
+    DDTree trees. Greedy by default, checked token for token against plain greedy decoding; with
+    --temperature, speculative sampling against plain sampling."""
     from stages.eval import run_eval  # heavy: imports torch; keeps `pipeline --help` fast
 
     budgets = _int_list(tree_budget, "--tree-budget") or []
@@ -255,9 +260,10 @@ def eval_(
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
                           device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning,
-                          report_to=report_to, on_total=bar.set_total, group_by=group_by)
+                          report_to=report_to, on_total=bar.set_total, group_by=group_by, temperature=temperature,
+                          top_p=top_p, top_k=top_k, seed=seed)
     show_eval(result, json_out)
-    if not result["lossless"]:
+    if result["lossless"] is False:
         raise typer.Exit(1)
 
 

@@ -1,10 +1,14 @@
-"""`pipeline eval`: real speculative decoding against the live target, greedy.
+"""`pipeline eval`: real speculative decoding against the live target, greedy or sampled.
 
 For every prompt: plain greedy decoding (the reference and the speed baseline), block
 speculative decoding with the drafter, and DDTree at each node budget. Every speculative output
 is compared token for token with greedy (speculative decoding is lossless; a difference is a
 bug and is reported). tau (accepted draft tokens + 1 per verify step) is reported as the mean
 of per-response means (as the DFlash paper does) and pooled over all steps.
+
+With `--temperature T > 0` the reference is plain sampling and the variants are speculative
+sampling (pipeline/speculative/sampling.py): lossless in distribution, which one sample per
+prompt cannot show, so outputs are not compared; tests/test_sampling.py tests it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pipeline.errors import PipelineError
 from pipeline.speculative.compare import decode_variants
 from pipeline.speculative.decode import TREE_VERIFY, choose_tree_verify
 from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
+from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures
 from pipeline.target import end_of_turn_ids, frozen_target_modules, load_model, load_tokenizer, read_target_facts, resolve_target
@@ -36,11 +41,13 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
              block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
              tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None,
-             on_total=None, group_by: str | None = None) -> dict:
+             on_total=None, group_by: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0) -> dict:
     """Decode every prompt with each variant; `progress(n, tokens=, note=)` per batch of prompts,
     `on_total(prompts)` once they are read. tau is also reported per kind of turn and, with
     `group_by`, per value of that row field (pipeline/speculative/groups.py)."""
     device_, dtype_ = resolve_device(device, dtype)
+    sampling = sampling_of(temperature, top_p, top_k, seed)
     if tree_verify not in (*TREE_VERIFY, "auto"):
         raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, auto; got {tree_verify!r}")
     if batch_size < 1:
@@ -99,10 +106,11 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
 
     reference, blocks, trees, seconds = decode_variants(
         live, drafter, [item["ids"] for item in items], max_new=max_new_tokens, eos=eos, tree_budgets=tree_budgets,
-        tree_top_k=tree_top_k, tree_verify=tree_verify, batch_size=batch_size, progress=progress)
+        tree_top_k=tree_top_k, tree_verify=tree_verify, batch_size=batch_size, progress=progress, sampling=sampling)
     greedy_tokens = sum(len(r.tokens) for r in reference)
     prompt_ids = [item["ids"] for item in items]
-    departures = {variant: judge_departures(live, prompt_ids, runs, reference, dtype_)
+    sampled = sampling is not None
+    departures = {variant: [] if sampled else judge_departures(live, prompt_ids, runs, reference, dtype_)
                   for variant, runs in [("block", blocks), *trees.items()]}
     extra = {}
     if cache_reader is not None:
@@ -115,14 +123,17 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         "device": f"{device_} ({dtype_name(dtype_)})", "cpu_threads": torch.get_num_threads(),
         "drafter_kv_cache": True,
         "tree_verify": tree_verify, "tree_verify_reason": tree_verify_reason, "batch_size": batch_size,
-        "greedy": {"tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
-                   "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
-        "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block, departures["block"]),
+        "sampling": sampling.record() if sampled else None,
+        "plain_sampling" if sampled else "greedy": {
+            "tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
+            "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
+        "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block, departures["block"], sampled=sampled),
         "tree": {str(b): {**summarise(trees[b], reference, seconds[f"tree{b}"], seconds["greedy"], block,
-                                      departures[b]), "top_k": tree_top_k}
+                                      departures[b], sampled=sampled), "top_k": tree_top_k}
                  for b in tree_budgets},
         # Lossless: every output is greedy's, or first departs from it at a tie of the target (ties.py).
-        "lossless": not any(not d.tie for found in departures.values() for d in found),
+        # Sampled: None, lossless in distribution by the rule (tested in tests/test_sampling.py).
+        "lossless": None if sampled else not any(not d.tie for found in departures.values() for d in found),
     }
     result["by_kind"] = by_kind(prompt_ids, reference, blocks, trees, TurnMarkers.of(tokenizer))
     if group_by:
@@ -131,3 +142,18 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         result["reported_to"] = {"trackers": report_to,
                                  "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}
     return result
+
+
+def sampling_of(temperature: float, top_p: float, top_k: int, seed: int) -> Sampling | None:
+    """None (greedy) at temperature 0; refuses options that only sampling reads."""
+    if temperature < 0:
+        raise PipelineError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if temperature == 0:
+        if top_p != 1.0 or top_k != 0:
+            raise PipelineError("--top-p / --top-k shape sampling: give --temperature > 0 with them (0 is greedy)")
+        return None
+    if not 0 < top_p <= 1:
+        raise PipelineError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise PipelineError(f"--top-k must be >= 0 (0: off), got {top_k}")
+    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

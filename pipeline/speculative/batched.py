@@ -6,14 +6,17 @@ Each prompt keeps its own drafter context and its own acceptance: a block is ver
 rows may hold different committed lengths (key/value slots marked per row) and trees of
 different shapes. A prompt that finishes leaves the batch. Lossless per prompt, like the
 single-prompt decoders in decode.py, which these are tested against: the same drafts, the same
-accepted tokens at every step.
+accepted tokens at every step. Sampled (a `Sampling`), a block is accepted by speculative
+sampling's rule rather than walked as a chain; random numbers are keyed by each prompt's index
+(`rows_ids`), so a prompt decodes the same tokens here as alone.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.speculative.decode import Decoded, _finish, _follow, drafting
+from pipeline.speculative.decode import Chooser, Decoded, _choose, _finish, _follow, drafting
+from pipeline.speculative.sampling import Sampling
 from pipeline.target.live import LiveTarget
 from pipeline.speculative.tree import DraftTree, build_tree
 
@@ -39,34 +42,50 @@ def _pad(tree: DraftTree, size: int, filler: int) -> tuple[list[int], list[int]]
 
 
 def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_new: int, eos: set[int],
-                budget: int | None = None, top_k: int = 8, draft: list | None = None) -> list[Decoded]:
+                budget: int | None = None, top_k: int = 8, draft: list | None = None,
+                sampling: Sampling | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
     """Block decoding (`budget=None`) or DDTree with `budget` nodes for all `prompts` at once.
-    `draft[i](anchor, pos) -> [B-1, V] logits` overrides the drafter for prompt i (benchmarks)."""
+    `draft[i](anchor, pos) -> [B-1, V] logits` overrides the drafter for prompt i (benchmarks).
+    With `sampling`, `row_ids[i]` (default i) is prompt i's index for its random numbers."""
+    ids = list(row_ids) if row_ids is not None else list(range(len(prompts)))
     rows, steps = target.prefill_rows(prompts)
     contexts = [drafting(drafter) for _ in prompts] if draft is None else [None] * len(prompts)
     results = [Decoded([]) for _ in prompts]
     bonus = []
-    for context, step in zip(contexts, steps):
+    for i, (context, step) in enumerate(zip(contexts, steps)):
         if context is not None:
             context.extend(step.hidden)
-        bonus.append(int(step.logits[-1].argmax()))
+        bonus.append(_choose(step.logits[-1], len(prompts[i]), sampling, ids[i]))
     active = [i for i in range(len(prompts)) if not _finish(results[i].tokens, [bonus[i]], eos, max_new)]
     if len(active) < len(prompts):
         rows = target.keep_rows(rows, active)
     while active:
-        trees = []
-        for i, pos in zip(active, rows.starts):
+        trees, qs, starts = [], [], list(rows.starts)
+        for i, pos in zip(active, starts):
             logits = contexts[i].logits(bonus[i], pos) if draft is None else draft[i](bonus[i], pos)
-            trees.append(_chain(logits.argmax(-1).tolist()) if budget is None
-                         else build_tree(torch.log_softmax(logits, dim=-1), budget, top_k))
+            if budget is None:
+                if sampling is None:
+                    drafts = logits.argmax(-1).tolist()
+                else:
+                    drafts, q = sampling.draft_chain(ids[i], pos, logits)
+                    qs.append(q)
+                trees.append(_chain(drafts))
+            else:
+                logprobs = torch.log_softmax(logits, dim=-1) if sampling is None else sampling.tree_logprobs(logits)
+                trees.append(build_tree(logprobs, budget, top_k))
             results[i].drafts.append(list(trees[-1].tokens))
         size = max(len(t.tokens) for t in trees)
         padded = [_pad(t, size, bonus[i]) for t, i in zip(trees, active)]
         verified = target.verify_trees([t for t, _ in padded], [p for _, p in padded], rows)
-        choices = verified.step.logits.argmax(-1).tolist()    # [row][token]: the target's next token
+        logits = verified.step.logits                        # [row, token, V]: the target's next-token logits
         paths, still = [], []
         for r, (i, tree) in enumerate(zip(active, trees)):
-            accepted, choice, nodes = _follow(tree, lambda node, _, r=r: choices[r][node + 1])
+            if sampling is not None and budget is None:      # speculative sampling's rule along the chain
+                n, choice = sampling.accept_chain(ids[i], starts[r], tree.tokens, qs[r], logits[r])
+                accepted, nodes = tree.tokens[:n], list(range(n))
+            else:
+                chooser = Chooser(sampling, ids[i], starts[r])
+                accepted, choice, nodes = _follow(tree, lambda node, depth, r=r, c=chooser: c(logits[r, node + 1], depth))
             path = [0, *(n + 1 for n in nodes)]
             paths.append(path)
             result = results[i]

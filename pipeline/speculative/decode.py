@@ -1,9 +1,11 @@
-"""Greedy decoding, block speculative decoding and DDTree speculative decoding (all greedy).
+"""Greedy decoding, block speculative decoding and DDTree speculative decoding; greedy unless a
+`Sampling` is given (then plain sampling and lossless speculative sampling: sampling.py).
 
-Speculative decoding is lossless by construction: every emitted token is the target's own greedy
-choice given the tokens before it; the drafter only decides how many of them one verification
-pass confirms. Per verify step the acceptance length is (accepted draft tokens) + 1 (the bonus
-token the target produces itself).
+Speculative decoding is lossless by construction: greedy, every emitted token is the target's own
+greedy choice given the tokens before it; sampled, every emitted token is distributed as the
+target's warped distribution given the tokens before it. The drafter only decides how many of
+them one verification pass confirms. Per verify step the acceptance length is (accepted draft
+tokens) + 1 (the bonus token the target produces itself).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from pipeline.drafter.incremental import DraftContext
 from pipeline.target.live import LiveTarget
+from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.tree import build_tree
 
 
@@ -36,16 +39,24 @@ def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool
     return False
 
 
-def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]) -> Decoded:
+def _choose(logits: torch.Tensor, position: int, sampling: Sampling | None, row: int) -> int:
+    """The target's token at `position` from its logits there: the argmax, or a draw."""
+    return int(logits.argmax()) if sampling is None else sampling.pick(row, position, logits)
+
+
+def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int],
+           sampling: Sampling | None = None, row: int = 0) -> Decoded:
+    """Plain decoding, one target pass a token: greedy, or sampled with `sampling` (prompt index
+    `row` keys its random numbers)."""
     start = target.passes
     step = target.run(prompt, None, 0, with_hidden=False, last_only=True)
     out: list[int] = []
     pos = len(prompt)
-    token = int(step.logits[-1].argmax())
+    token = _choose(step.logits[-1], pos, sampling, row)
     while not _finish(out, [token], eos, max_new):
         step = target.run([token], step.state, pos, with_hidden=False)
         pos += 1
-        token = int(step.logits[-1].argmax())
+        token = _choose(step.logits[-1], pos, sampling, row)
     return Decoded(out, target_passes=target.passes - start)
 
 
@@ -80,34 +91,43 @@ def drafting(drafter, cached: bool = True):
     return DraftContext(drafter) if cached else Recomputed(drafter)
 
 
-def _prefill(target: LiveTarget, prompt: list[int], context):
+def _prefill(target: LiveTarget, prompt: list[int], context, sampling: Sampling | None = None, row: int = 0):
     """(committed state, position of the first new token, that token); the prompt's tapped hidden
     states go into the drafter's context."""
     pre = target.run(prompt, None, 0, with_hidden=context is not None, last_only=True)
     if context is not None:
         context.extend(pre.hidden)
-    return pre.state, len(prompt), int(pre.logits[-1].argmax())
+    return pre.state, len(prompt), _choose(pre.logits[-1], len(prompt), sampling, row)
 
 
 def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int],
-                 draft=None, cached: bool = True) -> Decoded:
+                 draft=None, cached: bool = True, sampling: Sampling | None = None, row: int = 0) -> Decoded:
     """Block speculative decoding. `draft(anchor, pos) -> [B-1] tokens` overrides the drafter
-    (tests use an oracle); `cached=False` drafts without the drafter's KV cache (the reference)."""
+    (tests use an oracle; with `sampling` it returns [B-1, V] logits); `cached=False` drafts
+    without the drafter's KV cache (the reference). With `sampling`: speculative sampling, its
+    random numbers keyed by prompt index `row`."""
     start = target.passes
     context = drafting(drafter, cached) if draft is None else None
-    state, pos, bonus = _prefill(target, prompt, context)
+    state, pos, bonus = _prefill(target, prompt, context, sampling, row)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
-        drafts = draft(bonus, pos) if draft else context.logits(bonus, pos).argmax(-1).tolist()
+        if sampling is None:
+            drafts = draft(bonus, pos) if draft else context.logits(bonus, pos).argmax(-1).tolist()
+        else:
+            drafts, q = sampling.draft_chain(row, pos, draft(bonus, pos) if draft else context.logits(bonus, pos))
         result.drafts.append(drafts)
         verified = target.verify([bonus, *drafts], state, pos, with_hidden=context is not None)
         verify = verified.step
         result.verify_passes += 1
         result.verify_tokens += len(drafts) + 1
-        choices = verify.logits.argmax(-1).tolist()      # choices[k]: the target's token for position pos+k+1
-        n = 0
-        while n < len(drafts) and drafts[n] == choices[n]:
-            n += 1
+        if sampling is None:
+            choices = verify.logits.argmax(-1).tolist()  # choices[k]: the target's token for position pos+k+1
+            n = 0
+            while n < len(drafts) and drafts[n] == choices[n]:
+                n += 1
+            following = choices[n]
+        else:
+            n, following = sampling.accept_chain(row, pos, drafts, q, verify.logits)
         result.accepted.append(n)
         state = target.commit(verified, n + 1)           # the bonus token and the accepted drafts, no second pass
         if context is not None:
@@ -115,7 +135,7 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
         pos += n + 1
         if _finish(result.tokens, drafts[:n], eos, max_new):
             break
-        bonus = choices[n]
+        bonus = following
     result.target_passes = target.passes - start
     return result
 
@@ -143,26 +163,31 @@ def choose_tree_verify(non_embedding_parameters: int, *, batch_size: int, takes_
 
 
 def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int], budget: int,
-                top_k: int = 8, cached: bool = True, verify: str = "tree", draft=None) -> Decoded:
+                top_k: int = 8, cached: bool = True, verify: str = "tree", draft=None,
+                sampling: Sampling | None = None, row: int = 0) -> Decoded:
     """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
     down it. `verify="tree"` processes each tree node once (an ancestor mask for the attention
     layers, per-node recurrent states from the parent's for the Gated DeltaNet layers);
     `verify="paths"` batches the tree's root-to-leaf paths as rows (shared prefixes recomputed;
     the exactness reference). Either way the committed state is cut out of that one pass.
-    `draft(anchor, pos) -> [B-1, V] logits` overrides the drafter (benchmarks use an oracle)."""
+    `draft(anchor, pos) -> [B-1, V] logits` overrides the drafter (benchmarks use an oracle).
+    With `sampling`: the tree is built from the drafter's warped q and walked by drawing from the
+    target's p at each depth (sampling.py), its random numbers keyed by prompt index `row`."""
     if verify not in TREE_VERIFY:
         raise ValueError(f"verify must be one of {TREE_VERIFY}, got {verify!r}")
     start = target.passes
     context = drafting(drafter, cached) if draft is None else None
-    state, pos, bonus = _prefill(target, prompt, context)
+    state, pos, bonus = _prefill(target, prompt, context, sampling, row)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
-        logprobs = torch.log_softmax(draft(bonus, pos) if draft else context.logits(bonus, pos), dim=-1)
+        logits = draft(bonus, pos) if draft else context.logits(bonus, pos)
+        logprobs = torch.log_softmax(logits, dim=-1) if sampling is None else sampling.tree_logprobs(logits)
         tree = build_tree(logprobs, budget, top_k)
         result.drafts.append(list(tree.tokens))
         walk = _verify_as_tree if verify == "tree" else _verify_as_paths
         before = target.tokens
-        accepted, choice, state, hidden = walk(target, tree, bonus, state, pos)
+        chooser = Chooser(sampling, row, pos)
+        accepted, choice, state, hidden = walk(target, tree, bonus, state, pos, chooser)
         result.verify_passes += 1
         result.verify_tokens += target.tokens - before
         result.accepted.append(len(accepted))
@@ -191,22 +216,34 @@ def _follow(tree, choice_at) -> tuple[list[int], int, list[int]]:
         node = child
 
 
-def _verify_as_tree(target: LiveTarget, tree, bonus: int, state, pos: int):
+@dataclass(frozen=True)
+class Chooser:
+    """The target's token after a tree node from that node's logits, at depth d (position
+    pos + 1 + d): the argmax, or a draw from p (sampling.py's DDTree rule)."""
+    sampling: Sampling | None
+    row: int
+    pos: int
+
+    def __call__(self, logits: torch.Tensor, depth: int) -> int:
+        return _choose(logits, self.pos + 1 + depth, self.sampling, self.row)
+
+
+def _verify_as_tree(target: LiveTarget, tree, bonus: int, state, pos: int, chooser: Chooser):
     verified = target.verify_tree([bonus, *tree.tokens], [-1, *(p + 1 for p in tree.parents)], state, pos)
-    choices = verified.step.logits.argmax(-1).tolist()   # per tree token (0: the bonus), the target's next token
-    accepted, choice, nodes = _follow(tree, lambda node, _: choices[node + 1])
+    logits = verified.step.logits                        # per tree token (0: the bonus), the target's next-token logits
+    accepted, choice, nodes = _follow(tree, lambda node, depth: chooser(logits[node + 1], depth))
     path = [0, *(n + 1 for n in nodes)]
     return accepted, choice, target.commit_path(verified, path), verified.step.hidden[path]
 
 
-def _verify_as_paths(target: LiveTarget, tree, bonus: int, state, pos: int):
+def _verify_as_paths(target: LiveTarget, tree, bonus: int, state, pos: int, chooser: Chooser):
     paths = tree.paths()
     width = max(len(p) for p in paths)
     rows = torch.tensor([[bonus] + [tree.tokens[n] for n in p] + [bonus] * (width - len(p)) for p in paths])
     verified = target.verify_rows(rows, state, pos)
     logits = verified.step.logits
     row_of = {n: r for r, p in enumerate(paths) for n in p}
-    accepted, choice, nodes = _follow(tree, lambda node, depth: int(logits[row_of.get(node, 0), depth].argmax()))
+    accepted, choice, nodes = _follow(tree, lambda node, depth: chooser(logits[row_of.get(node, 0), depth], depth))
     row = row_of[nodes[-1]] if nodes else 0
     keep = len(accepted) + 1
     return accepted, choice, target.commit(verified, keep, row=row), verified.step.hidden[row, :keep]

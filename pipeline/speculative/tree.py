@@ -54,7 +54,7 @@ def build_tree(logprobs_DV: torch.Tensor, budget: int, top_k: int) -> DraftTree:
         tree.depths.append(depth)
         tree.children.setdefault(parent, {})[token] = node
         score = -neg
-        if rank + 1 < len(ids[depth]):
+        if rank + 1 < len(ids[depth]) and values[depth][rank + 1] > float("-inf"):  # -inf: cut by top-k / top-p
             heapq.heappush(heap, (-(parent_score + values[depth][rank + 1]), counter, parent, rank + 1, parent_score))
             counter += 1
         if depth + 1 < depth_count:

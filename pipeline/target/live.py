@@ -162,8 +162,13 @@ class LiveTarget:
     def prefill_rows(self, prompts: list[list[int]], *, with_hidden: bool = True) -> tuple[Rows, list[Step]]:
         """Each prompt prefilled on its own (no padding inside the target's pass), then their
         caches stacked into rows; the per-prompt steps carry the last token's logits [1, V] and
-        every prompt token's tapped hidden states."""
-        steps = [self.run(p, None, 0, with_hidden=with_hidden, last_only=True) for p in prompts]
+        every prompt token's tapped hidden states. A prompt repeated in the batch (several samples
+        of one prompt) is prefilled once; its rows start from copies of that one state."""
+        once: dict[tuple[int, ...], Step] = {}
+        for p in prompts:
+            if tuple(p) not in once:
+                once[tuple(p)] = self.run(p, None, 0, with_hidden=with_hidden, last_only=True)
+        steps = [once[tuple(p)] for p in prompts]
         state, valid = internals.stack_rows([s.state for s in steps], [len(p) for p in prompts])
         return Rows(state, valid, [len(p) for p in prompts]), steps
 

@@ -156,11 +156,15 @@ def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dic
 
 
 def eval_figures(result: dict) -> dict[str, float]:
-    """`pipeline eval`'s headline figures as tracker scalars (logged under `eval/`)."""
-    out = {"block_tau_pooled": result["block"]["tau_pooled"], "block_tau_mean_of_means": result["block"]["tau_mean_of_means"],
-           "block_speedup_vs_greedy": result["block"]["speedup_vs_greedy"], "prompts": result["prompts"]}
+    """`pipeline eval`'s headline figures as tracker scalars (logged under `eval/`); a sampled
+    eval's under `sampled_...` names, so the two never share a curve."""
+    sampled = "sampled_" if result.get("sampling") else ""
+    speedup = "speedup_vs_plain_sampling" if sampled else "speedup_vs_greedy"
+    out = {f"{sampled}block_tau_pooled": result["block"]["tau_pooled"],
+           f"{sampled}block_tau_mean_of_means": result["block"]["tau_mean_of_means"],
+           f"{sampled}block_{speedup}": result["block"][speedup], "prompts": result["prompts"]}
     for budget, tree in result["tree"].items():
-        out[f"ddtree{budget}_tau_pooled"] = tree["tau_pooled"]
+        out[f"{sampled}ddtree{budget}_tau_pooled"] = tree["tau_pooled"]
     teacher = result.get("teacher_forced")
     if teacher:
         out.update(tau_walk=teacher["tau_walk"], tau_estimate=teacher["tau_estimate"])

@@ -99,7 +99,7 @@ def show_eval(result: dict, json_out: bool) -> None:
     else:
         _eval_tables(result)
     # Said in both modes: a lossy result is a bug, and the JSON reader must not be the only one told.
-    if not result["lossless"]:
+    if result["lossless"] is False:
         first = next(d for r in [result["block"], *result["tree"].values()] for d in r["mismatches"])
         where = (f"prompt {first['prompt']}, generated token {first['position']}: greedy {first['greedy_token']}, "
                  f"speculative {first['speculative_token']}"
@@ -124,19 +124,32 @@ def _group_table(title: str, groups: dict) -> None:
 
 
 def _eval_tables(result: dict) -> None:
-    g = result["greedy"]
-    table = Table(title=f"eval: {result['prompts']} prompts, block {result['block_size']}, "
-                        f"greedy {g['tokens_per_s']:,.0f} tok/s", title_justify="left")
-    for col in ("method", "tau (mean of means)", "tau (pooled)", "verify passes/token", "target passes/token",
-                "tok/s", "speed vs greedy", "identical to greedy"):
+    sampling = result.get("sampling")
+    if sampling:
+        g, baseline = result["plain_sampling"], "plain sampling"
+        mode = (f"sampled (temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, "
+                f"top-k {sampling['top_k'] or 'off'}, seed {sampling['seed']})")
+    else:
+        g, baseline, mode = result["greedy"], "greedy", "greedy"
+    table = Table(title=f"eval: {result['prompts']} prompts, block {result['block_size']}, {mode}, "
+                        f"{baseline} {g['tokens_per_s']:,.0f} tok/s", title_justify="left")
+    columns = ["method", "tau (mean of means)", "tau (pooled)", "verify passes/token", "target passes/token",
+               "tok/s", f"speed vs {baseline}"]
+    for col in columns + ([] if sampling else ["identical to greedy"]):
         table.add_column(col)
     rows = [("block", result["block"])] + [(f"ddtree {b}", r) for b, r in result["tree"].items()]
     for name, r in rows:
-        table.add_row(name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
-                      f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_greedy']:.2f}x",
-                      f"{r['identical_to_greedy']}/{result['prompts']}"
-                      + (f" (+{r['departed_at_ties']} at ties)" if r.get("departed_at_ties") else ""))
+        speedup = r["speedup_vs_plain_sampling"] if sampling else r["speedup_vs_greedy"]
+        cells = [name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
+                 f"{r['target_passes_per_token']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{speedup:.2f}x"]
+        if not sampling:
+            cells.append(f"{r['identical_to_greedy']}/{result['prompts']}"
+                         + (f" (+{r['departed_at_ties']} at ties)" if r.get("departed_at_ties") else ""))
+        table.add_row(*cells)
     console.print(table)
+    if sampling:
+        console.print("lossless in distribution by the rule (speculative sampling; outputs are not compared with "
+                      "plain sampling's one sample per prompt)", highlight=False)
     for name, r in rows:
         for d in r.get("ties", []):
             console.print(f"{name}: prompt {d['prompt']} departs from greedy at generated token {d['position']} where the "

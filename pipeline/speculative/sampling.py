@@ -1,0 +1,140 @@
+"""Sampled decoding and lossless speculative sampling (`pipeline eval --temperature T`).
+
+Distributions: the target's p and the drafter's q are both warped the way serving engines warp
+them (vLLM, transformers' generate): logits / temperature, then top-k, then top-p (the smallest
+set of most likely tokens whose mass reaches top_p), renormalised.
+
+Block drafts (one drafter pass gives q_k for every slot k, none conditioned on the other draft
+tokens): draft token x_k ~ q_k; the target accepts it with probability min(1, p_k(x_k)/q_k(x_k)),
+else emits a token drawn from the normalised residual max(0, p_k - q_k) and the step ends; when
+every draft is accepted, the bonus token is drawn from the target's next p (Leviathan et al.
+2023, Chen et al. 2023). Each emitted token is distributed as p given the tokens before it,
+whatever q is, so the output is distributed as plain sampling's.
+
+DDTree (a draft tree of the drafter's top-K tokens per depth, deterministic given q): recursive
+rejection sampling over a node's children with one-hot drafts (SpecInfer's multi-step
+speculative sampling, Miao et al. 2024, with each child's draft distribution a point mass):
+child c_1 is accepted with probability p(c_1), else the residual is p without c_1, renormalised,
+and c_2 is tried against it, and so on; when no child is accepted the token is drawn from the
+last residual. That is exactly drawing y ~ p and following the child equal to y (emitting y
+when none is): what `tree_choice` does, one draw per depth.
+
+Randomness is keyed, not streamed: every uniform number is a hash of (seed, prompt index,
+sequence position, purpose), so a prompt decodes the same tokens alone or in a batch of any
+size, in any order. A position's purposes (the draft, the acceptance test, the residual draw,
+a draw from p) use independent numbers; a draft redrawn at a position a rejection left
+undecided reuses its number, which no emitted token depended on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, row: int, position: int, purpose: int) -> float:
+    """A number in [0, 1) determined by its key alone (53 random bits)."""
+    h = _splitmix64(seed & _MASK64)
+    for part in (row, position, purpose):
+        h = _splitmix64(h ^ (part & _MASK64))
+    return (h >> 11) * 2.0 ** -53
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The token at which the cumulative distribution (in token order) first exceeds u: inverse
+    transform sampling with one number. Tokens of probability 0 are never drawn."""
+    cdf = probs.double().cumsum(-1)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    return min(index, probs.shape[-1] - 1)
+
+
+class LosslessRule:
+    """The acceptance test and the residual of speculative sampling. Tests plant faults by
+    overriding one of the two and check that the distribution test catches them."""
+
+    def accepts(self, p_x: float, q_x: float, u: float) -> bool:
+        return u * q_x < p_x      # u < min(1, p/q) without dividing
+
+    def residual(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        r = (p - q).clamp_min(0)
+        # All zero only when p == q up to rounding, where rejection has probability 0: draw from p.
+        return r if float(r.sum()) > 0 else p
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0                # 0: no top-k
+    seed: int = 0
+    rule: LosslessRule = field(default_factory=LosslessRule, compare=False)
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def record(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "rule": "speculative sampling: accept min(1, p/q), else the residual max(0, p - q); "
+                        "DDTree: recursive rejection over deterministic children (draw from p, follow the match)",
+                "randomness": "keyed by (seed, prompt index, position, purpose): batch-size independent"}
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Probabilities [..., V] (float32): temperature, then top-k, then top-p, renormalised."""
+        scaled = logits.float() / self.temperature
+        if self.top_k and self.top_k < scaled.shape[-1]:
+            kth = scaled.topk(self.top_k, dim=-1).values[..., -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs      # mass of the more likely tokens
+            drop = before >= self.top_p                          # the most likely token is always kept
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def u(self, row: int, position: int, purpose: int) -> float:
+        return uniform(self.seed, row, position, purpose)
+
+    def pick(self, row: int, position: int, logits: torch.Tensor) -> int:
+        """The token at `position` drawn from the target's warped distribution (plain sampling;
+        a bonus token; a DDTree depth)."""
+        return draw(self.warp(logits), self.u(row, position, TARGET))
+
+    def draft_chain(self, row: int, pos: int, logits_DV: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """(draft tokens for positions pos+1.., the drafter's warped q [D, V]) from its block logits."""
+        q = self.warp(logits_DV)
+        return [draw(q[k], self.u(row, pos + 1 + k, DRAFT)) for k in range(q.shape[0])], q
+
+    def accept_chain(self, row: int, pos: int, drafts: list[int], q: torch.Tensor,
+                     target_logits: torch.Tensor) -> tuple[int, int]:
+        """(accepted drafts n, the token emitted after them). target_logits[k] is the target's
+        for position pos+1+k given the bonus and drafts[:k] (k = 0..len(drafts))."""
+        p = self.warp(target_logits[:len(drafts) + 1])
+        for k, x in enumerate(drafts):
+            position = pos + 1 + k
+            if not self.rule.accepts(float(p[k, x]), float(q[k, x]), self.u(row, position, ACCEPT)):
+                return k, draw(self.rule.residual(p[k], q[k]), self.u(row, position, RESIDUAL))
+        n = len(drafts)
+        return n, draw(p[n], self.u(row, pos + 1 + n, TARGET))
+
+    def tree_logprobs(self, logits_DV: torch.Tensor) -> torch.Tensor:
+        """log q for building the draft tree: the drafter's distribution at the same settings
+        (tokens that top-k / top-p remove are -inf and never become nodes)."""
+        return torch.log(self.warp(logits_DV))

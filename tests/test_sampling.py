@@ -1,0 +1,193 @@
+"""Sampled eval (issue 42): the warping matches transformers' own logits processors, the sampler
+is inverse-transform sampling, the random numbers are keyed so batching changes nothing, and
+speculative sampling (block and DDTree) is lossless in distribution: samples of the first
+generated tokens and of whole short continuations against the target's exact distribution
+(plain forwards, tests/sampling_stats.py), with two planted faults caught and the test's power
+against them simulated from their exact distributions."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from pipeline.data.prompts import read_prompts
+from pipeline.speculative.batched import decode_rows
+from pipeline.speculative.decode import block_decode, drafting, tree_decode
+from pipeline.speculative.sampling import LosslessRule, Sampling, draw, uniform
+from pipeline.target.live import LiveTarget
+from sampling_stats import categories, chi_square, exact_continuations, simulated_power
+
+EOS = {498}
+ALPHA = 0.001          # the distribution test's level: a correct decoder fails it once in 1,000 seeds
+SAMPLES = 1000         # samples per distribution test
+# The prompt and setting of the distribution test: temperature 2 spreads the miniature's peaked
+# distributions (at 1.0 with top-p 0.95 its first tokens are certain, and no test can see a
+# fault); top-p 0.9 still cuts the tail, so draft tokens of target probability 0 occur.
+PROMPT_INDEX = 15
+SETTING = dict(temperature=2.0, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def drafter(trained_run, embedded):
+    from pipeline.drafter.export import load_drafter
+    from pipeline.target import frozen_target_modules
+
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    return load_drafter(trained_run["run"] / "drafter", embed=embed, lm_head=head).eval()
+
+
+@pytest.fixture(scope="module")
+def live(target, drafter):
+    return LiveTarget(target, drafter.config.target_layer_ids)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer, embedded):
+    return [p["ids"] for p in read_prompts(embedded.HELDOUT_DATA, tokenizer, 40)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.95), (0.6, 20, 0.95), (1.3, 5, 1.0),
+                                                     (0.5, 0, 0.3)])
+def test_warping_matches_transformers_logits_processors(temperature, top_k, top_p):
+    """Temperature, then top-k, then top-p, as transformers' generate applies its warpers."""
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(7)) * 3
+    chain = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    reference = torch.softmax(chain(None, logits.clone()), dim=-1)
+    ours = Sampling(temperature, top_p=top_p, top_k=top_k).warp(logits)
+    assert torch.equal(ours > 0, reference > 0)
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_draw_is_inverse_transform_sampling():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
+    def by_hand(u):  # the first token whose cumulative probability exceeds u
+        total = 0.0
+        for token, p in enumerate(probs.tolist()):
+            total += p
+            if u < total:
+                return token
+    for u in [i / 1000 for i in range(1000)] + [0.999999]:
+        assert draw(probs, u) == by_hand(u), u
+    # Unnormalised weights (a residual) are drawn as their normalised distribution.
+    assert [draw(probs * 7, u) for u in (0.1, 0.3, 0.8)] == [1, 3, 4]
+
+
+def test_keyed_uniforms_are_uniform_and_independent_of_each_other():
+    values = torch.tensor([uniform(3, row, pos, purpose) for row in range(20) for pos in range(250) for purpose in range(4)],
+                          dtype=torch.float64)
+    assert uniform(3, 1, 2, 0) == uniform(3, 1, 2, 0) and len(set(values.tolist())) == len(values)
+    grid = torch.linspace(0, 1, 101)
+    empirical = (values[:, None] <= grid[None]).double().mean(0)
+    assert float((empirical - grid).abs().max()) < 0.015          # Kolmogorov-Smirnov, 20,000 values: 1.63/sqrt(n) = 0.0115 at 1%
+    pairs = values.reshape(-1, 4)                                 # the four purposes of one position
+    assert abs(float(torch.corrcoef(pairs.T)[0, 1:].abs().max())) < 0.05
+    assert uniform(4, 1, 2, 0) != uniform(3, 1, 2, 0)
+
+
+def test_sampled_decoding_is_the_same_alone_and_in_a_batch(live, drafter, prompts):
+    """One seed scheme: prompt i's tokens depend on the seed and i only, so a batch of 8 decodes
+    what eight single-prompt runs decode (block and DDTree 16), and another seed decodes others."""
+    batch = prompts[:8]
+    sampling = Sampling(0.7, top_p=0.95, seed=11)
+    for budget in (None, 16):
+        single = [block_decode(live, drafter, ids, max_new=24, eos=EOS, sampling=sampling, row=i) if budget is None
+                  else tree_decode(live, drafter, ids, max_new=24, eos=EOS, budget=budget, sampling=sampling, row=i,
+                                   verify="paths")
+                  for i, ids in enumerate(batch)]
+        rows = decode_rows(live, drafter, batch, max_new=24, eos=EOS, budget=budget, sampling=sampling,
+                           row_ids=list(range(8)))
+        for one, many in zip(single, rows):
+            assert many.tokens == one.tokens and many.accepted == one.accepted and many.drafts == one.drafts
+        assert sum(sum(r.accepted) for r in rows) > 0
+    other = [block_decode(live, drafter, ids, max_new=24, eos=EOS, sampling=Sampling(0.7, top_p=0.95, seed=12), row=i)
+             for i, ids in enumerate(batch)]
+    assert [o.tokens for o in other] != [s.tokens for s in single]
+
+
+class SkippedRejection(LosslessRule):
+    """Planted fault: every draft token is accepted."""
+    def accepts(self, p_x, q_x, u):
+        return True
+
+
+class ResidualFromTarget(LosslessRule):
+    """Planted fault: a rejected position is redrawn from p instead of the residual max(0, p - q)."""
+    def residual(self, p, q):
+        return p
+
+
+def _samples(live, drafter, prompt, sampling, length, budget=None) -> Counter:
+    rows = decode_rows(live, drafter, [prompt] * SAMPLES, max_new=length, eos=set(), budget=budget, top_k=8,
+                       sampling=sampling, row_ids=list(range(SAMPLES)))
+    assert all(len(r.tokens) == length for r in rows)
+    return Counter(tuple(r.tokens) for r in rows)
+
+
+def _fault_distributions(live, drafter, prompt, sampling, exact1) -> dict[str, dict]:
+    """The exact distribution of the first two generated tokens under each planted fault, from
+    the rule written out: token 1 is the prefill's draw from p; token 2 is block slot 1's, drafted
+    from q(. | token 1): always accepted, it is distributed as q; with the residual replaced by p,
+    as min(p, q) + (1 - sum min(p, q)) p."""
+    model = live.model
+    context = drafting(drafter)
+    context.extend(live.run(prompt, None, 0, last_only=True).hidden)
+    skipped, from_p = {}, {}
+    for (y1,), p1 in exact1.items():
+        q = sampling.warp(context.logits(y1, len(prompt)))[0].double()
+        with torch.no_grad():
+            p = sampling.warp(model(input_ids=torch.tensor([prompt + [y1]])).logits[0, -1]).double()
+        overlap = torch.minimum(p, q)
+        for name, dist, out in (("skipped", q, skipped), ("from_p", overlap + (1 - overlap.sum()) * p, from_p)):
+            for y2 in dist.nonzero()[:, 0].tolist():
+                out[(y1, y2)] = p1 * float(dist[y2])
+    return {"skipped rejection": skipped, "residual from p": from_p}
+
+
+def test_block_speculative_sampling_is_lossless_in_distribution(live, drafter, prompts):
+    """The first two generated tokens (the prefill's draw and block slot 1's verdict) and whole
+    continuations of four tokens, SAMPLES samples each, against the target's exact distribution:
+    the correct rule passes at ALPHA; skipping the rejection test, or redrawing a rejected
+    position from p, fails it; the power against each fault (simulated from its exact
+    distribution) is at least 0.99."""
+    prompt = prompts[PROMPT_INDEX]
+    sampling = Sampling(**SETTING, seed=5)
+    exact2 = exact_continuations(live.model, prompt, sampling.warp, 2, 1 / SAMPLES)
+    exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / SAMPLES)
+    cats2, cats4 = categories(exact2, SAMPLES), categories(exact4, SAMPLES)
+    assert len(cats2) >= 5 and len(cats4) >= 5 and max(exact2.values()) < 0.9   # a spread the test can see into
+
+    observed = _samples(live, drafter, prompt, sampling, 4)
+    firsts = Counter()
+    for continuation, count in observed.items():
+        firsts[continuation[:2]] += count
+    _, _, p_two = chi_square(firsts, exact2, cats2)
+    _, _, p_four = chi_square(observed, exact4, cats4)
+    assert p_two > ALPHA and p_four > ALPHA, (p_two, p_four)
+
+    exact1 = exact_continuations(live.model, prompt, sampling.warp, 1, 1e-12)
+    faults = _fault_distributions(live, drafter, prompt, sampling, exact1)
+    for rule, name in ((SkippedRejection(), "skipped rejection"), (ResidualFromTarget(), "residual from p")):
+        power = simulated_power(faults[name], exact2, cats2, SAMPLES, ALPHA)
+        assert power >= 0.99, (name, power)
+        planted = _samples(live, drafter, prompt, Sampling(**SETTING, seed=5, rule=rule), 2)
+        _, _, p_value = chi_square(planted, exact2, cats2)
+        assert p_value < ALPHA, (name, p_value)
+
+
+def test_ddtree_speculative_sampling_is_lossless_in_distribution(live, drafter, prompts):
+    """DDTree 16 (children: the drafter's top-8 per depth under top-k 20 at temperature 2):
+    continuations of four tokens against the target's exact distribution."""
+    prompt = prompts[PROMPT_INDEX]
+    sampling = Sampling(temperature=2.0, top_k=20, seed=9)
+    exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / SAMPLES)
+    cats4 = categories(exact4, SAMPLES)
+    assert len(cats4) >= 5
+    observed = _samples(live, drafter, prompt, sampling, 4, budget=16)
+    _, _, p_value = chi_square(observed, exact4, cats4)
+    assert p_value > ALPHA, p_value
