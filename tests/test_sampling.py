@@ -7,7 +7,10 @@ against them simulated from their exact distributions."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ from sampling_stats import categories, chi_square, exact_continuations, simulate
 
 EOS = {498}
 ALPHA = 0.001          # the distribution test's level: a correct decoder fails it once in 1,000 seeds
-SAMPLES = 1000         # samples per distribution test
+SAMPLES = 1000         # samples per distribution test (block; its power against the planted faults needs them)
+TREE_SAMPLES = 500     # DDTree's (no planted fault: suite time)
 # The prompt and setting of the distribution test: temperature 2 spreads the miniature's peaked
 # distributions (at 1.0 with top-p 0.95 its first tokens are certain, and no test can see a
 # fault); top-p 0.9 still cuts the tail, so draft tokens of target probability 0 occur.
@@ -39,8 +43,31 @@ def drafter(trained_run, embedded):
 
 
 @pytest.fixture(scope="module")
+def short_drafter(trained_run, embedded):
+    """The same drafter drafting blocks of 4 (3 draft tokens, as `eval --block-size 4`): the
+    distribution tests verify 1,000 rows at a time, and a shorter block halves that pass."""
+    from pipeline.drafter.export import load_drafter
+    from pipeline.target import frozen_target_modules
+
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    drafter = load_drafter(trained_run["run"] / "drafter", embed=embed, lm_head=head).eval()
+    drafter.config.block_size = 4
+    return drafter
+
+
+@pytest.fixture(scope="module")
 def live(target, drafter):
     return LiveTarget(target, drafter.config.target_layer_ids)
+
+
+@pytest.fixture(scope="module")
+def report():
+    """The distribution tests' figures, written as JSON to $DFLASH_SAMPLING_REPORT when it is set
+    (BENCHMARKS.md quotes them)."""
+    figures = {}
+    yield figures
+    if os.environ.get("DFLASH_SAMPLING_REPORT"):
+        Path(os.environ["DFLASH_SAMPLING_REPORT"]).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +149,9 @@ class ResidualFromTarget(LosslessRule):
         return p
 
 
-def _samples(live, drafter, prompt, sampling, length, budget=None) -> Counter:
-    rows = decode_rows(live, drafter, [prompt] * SAMPLES, max_new=length, eos=set(), budget=budget, top_k=8,
-                       sampling=sampling, row_ids=list(range(SAMPLES)))
+def _samples(live, drafter, prompt, sampling, length, budget=None, samples=SAMPLES) -> Counter:
+    rows = decode_rows(live, drafter, [prompt] * samples, max_new=length, eos=set(), budget=budget, top_k=8,
+                       sampling=sampling, row_ids=list(range(samples)))
     assert all(len(r.tokens) == length for r in rows)
     return Counter(tuple(r.tokens) for r in rows)
 
@@ -149,12 +176,13 @@ def _fault_distributions(live, drafter, prompt, sampling, exact1) -> dict[str, d
     return {"skipped rejection": skipped, "residual from p": from_p}
 
 
-def test_block_speculative_sampling_is_lossless_in_distribution(live, drafter, prompts):
+def test_block_speculative_sampling_is_lossless_in_distribution(live, short_drafter, prompts, report):
     """The first two generated tokens (the prefill's draw and block slot 1's verdict) and whole
     continuations of four tokens, SAMPLES samples each, against the target's exact distribution:
     the correct rule passes at ALPHA; skipping the rejection test, or redrawing a rejected
     position from p, fails it; the power against each fault (simulated from its exact
     distribution) is at least 0.99."""
+    drafter = short_drafter
     prompt = prompts[PROMPT_INDEX]
     sampling = Sampling(**SETTING, seed=5)
     exact2 = exact_continuations(live.model, prompt, sampling.warp, 2, 1 / SAMPLES)
@@ -166,28 +194,58 @@ def test_block_speculative_sampling_is_lossless_in_distribution(live, drafter, p
     firsts = Counter()
     for continuation, count in observed.items():
         firsts[continuation[:2]] += count
-    _, _, p_two = chi_square(firsts, exact2, cats2)
-    _, _, p_four = chi_square(observed, exact4, cats4)
-    assert p_two > ALPHA and p_four > ALPHA, (p_two, p_four)
+    two, four = chi_square(firsts, exact2, cats2), chi_square(observed, exact4, cats4)
+    figures = report["block"] = {"setting": "temperature 2, top-p 0.9, block 4", "samples": SAMPLES, "alpha": ALPHA,
+                                 "two_tokens": dict(zip(("statistic", "df", "p_value"), two)),
+                                 "four_tokens": dict(zip(("statistic", "df", "p_value"), four))}
+    assert two[2] > ALPHA and four[2] > ALPHA, (two, four)
 
     exact1 = exact_continuations(live.model, prompt, sampling.warp, 1, 1e-12)
     faults = _fault_distributions(live, drafter, prompt, sampling, exact1)
     for rule, name in ((SkippedRejection(), "skipped rejection"), (ResidualFromTarget(), "residual from p")):
         power = simulated_power(faults[name], exact2, cats2, SAMPLES, ALPHA)
-        assert power >= 0.99, (name, power)
         planted = _samples(live, drafter, prompt, Sampling(**SETTING, seed=5, rule=rule), 2)
-        _, _, p_value = chi_square(planted, exact2, cats2)
+        statistic, df, p_value = chi_square(planted, exact2, cats2)
+        figures[name] = {"power": power, "statistic": statistic, "df": df, "p_value": p_value}
+        assert power >= 0.99, (name, power)
         assert p_value < ALPHA, (name, p_value)
 
 
-def test_ddtree_speculative_sampling_is_lossless_in_distribution(live, drafter, prompts):
-    """DDTree 16 (children: the drafter's top-8 per depth under top-k 20 at temperature 2):
-    continuations of four tokens against the target's exact distribution."""
+def test_ddtree_speculative_sampling_is_lossless_in_distribution(live, short_drafter, prompts, report):
+    """DDTree with 8 nodes over 3 depths (children: the drafter's top-8 per depth, under top-k 20
+    at temperature 2): continuations of four tokens against the target's exact distribution."""
+    drafter = short_drafter
     prompt = prompts[PROMPT_INDEX]
     sampling = Sampling(temperature=2.0, top_k=20, seed=9)
-    exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / SAMPLES)
-    cats4 = categories(exact4, SAMPLES)
+    exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / TREE_SAMPLES)
+    cats4 = categories(exact4, TREE_SAMPLES)
     assert len(cats4) >= 5
-    observed = _samples(live, drafter, prompt, sampling, 4, budget=16)
-    _, _, p_value = chi_square(observed, exact4, cats4)
+    observed = _samples(live, drafter, prompt, sampling, 4, budget=8, samples=TREE_SAMPLES)
+    statistic, df, p_value = chi_square(observed, exact4, cats4)
+    report["ddtree"] = {"setting": "temperature 2, top-k 20, budget 8, block 4", "samples": TREE_SAMPLES,
+                        "four_tokens": {"statistic": statistic, "df": df, "p_value": p_value}}
     assert p_value > ALPHA, p_value
+
+
+def test_eval_cli_samples_and_refuses_sampling_options_without_a_temperature(trained_run):
+    """`pipeline eval --temperature`: the sampled figures against plain sampling, no identity
+    claimed; --batch-size does not change them (keyed randomness); top-p / top-k without a
+    temperature, or a negative one, are refused in one line."""
+    from extract_helpers import cli_here
+
+    run = str(trained_run["run"])
+    args = ["eval", "--drafter", run, "--limit", "3", "--tree-budget", "4", "--temperature", "0.7", "--top-p", "0.95",
+            "--seed", "3", "--max-new-tokens", "24", "--json"]
+    one, three = cli_here(*args), cli_here(*args, "--batch-size", "3")
+    assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
+    a, b = json.loads(one.stdout), json.loads(three.stdout)
+    assert a["sampling"]["temperature"] == 0.7 and a["sampling"]["top_p"] == 0.95 and a["sampling"]["seed"] == 3
+    assert a["lossless"] is None and "greedy" not in a and a["plain_sampling"]["tokens"] > 0
+    assert "speedup_vs_plain_sampling" in a["block"] and "identical_to_greedy" not in a["block"]
+    for key in ("tau_pooled", "tau_mean_of_means", "accept_histogram", "tokens"):
+        assert a["block"][key] == b["block"][key] and a["tree"]["4"][key] == b["tree"]["4"][key], key
+    for bad, message in ((["--top-p", "0.9"], "--top-p / --top-k shape sampling: give --temperature > 0"),
+                         (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
+                         (["--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5")):
+        refused = cli_here("eval", "--drafter", run, "--limit", "1", *bad)
+        assert refused.returncode == 1 and message in refused.stderr, refused.stderr
