@@ -154,7 +154,11 @@ class TrainConfig:
     num_anchors: int = 512
     max_length: int = 3072
     # Loss (DESIGN 3.4, 3.6).
-    loss: str = "ce"                         # "ce" (hard, default) | "kl" (soft, stored top-k)
+    # A weighted sum of terms (pipeline/drafter/objectives.py): "ce" (hard, default), "kl", "tv",
+    # "nla", "lk" (over the stored top-k), e.g. "ce + 0.5*tv"; each term is logged as loss_<term>.
+    loss: str = "ce"
+    position_weight: str = "decay"          # slot weights: "decay" (exp(-(k-1)/gamma)) | "dpace" (expected-acceptance gain)
+    dpace_alpha: float = 0.5                 # D-PACE smoothing: s_k = (1 - a) q_k + a, 0 < a <= 1
     gamma: float | None = None               # None: 7 for B=16, 5 for B=10, 4 for B=8
     noise_std: float = 0.0                   # on input context features only
     noise_schedule: str = "constant"         # "constant" | "linear" (to 0 at the last step)
@@ -199,7 +203,9 @@ class TrainConfig:
             (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}"),
             (self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}"),
             (self.max_length >= 2, f"max_length must be >= 2, got {self.max_length}"),
-            (self.loss in ("ce", "kl"), f"loss must be 'ce' or 'kl', got {self.loss!r}"),
+            (_loss_error(self.loss) is None, _loss_error(self.loss)),
+            (self.position_weight in ("decay", "dpace"), f"position_weight must be 'decay' or 'dpace', got {self.position_weight!r}"),
+            (0 < self.dpace_alpha <= 1, f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}"),
             (self.gamma is None or self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
             (self.noise_std >= 0, f"noise_std must be >= 0, got {self.noise_std}"),
             (self.noise_schedule in ("constant", "linear"), f"noise_schedule must be 'constant' or 'linear', got {self.noise_schedule!r}"),
@@ -228,3 +234,12 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise PipelineError(message)
+
+
+def _loss_error(expression: str) -> str | None:
+    from pipeline.drafter.objectives import parse_loss
+    try:
+        parse_loss(expression)
+    except ValueError as e:
+        return str(e)
+    return None

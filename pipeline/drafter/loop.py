@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig
+from pipeline.drafter.objectives import needs_distribution, parse_loss
 from pipeline.drafter.checkpoint import Position, save_on_all_ranks
 from pipeline.drafter.plan import Plan
 from pipeline.drafter.step import StepRunner
@@ -38,7 +39,7 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
     while at.step < plan.total_steps:
         stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=at.epoch, position=at.position),
                               rank=trainer.rank, world_size=trainer.world, prefetch=cfg.prefetch,
-                              fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if cfg.loss == "kl" else ()),
+                              fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if needs_distribution(parse_loss(cfg.loss)) else ()),
                               transform=trainer.preparer(at.epoch), workers=cfg.loader_workers,
                               mix_shards=cfg.mix_shards)
         items = stream.epoch()

@@ -8,6 +8,7 @@ exactly the single-process gradient. Metrics are exact sums, reduced across rank
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from pipeline.drafter.batch import (
     prepare,
 )
 from pipeline.drafter.loss import supervised_loss
+from pipeline.drafter.objectives import needs_distribution, parse_loss
 from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
@@ -61,6 +63,13 @@ class StepRunner:
         self.autocast = autocast_dtype(cfg, device)
         self._tokens = 0
         self.plant = planted()  # None outside the tests that plant a bug on purpose
+        self.terms = parse_loss(cfg.loss)
+        self.soft = needs_distribution(self.terms)
+        # D-PACE weighs the slots itself: blocks carry the bare mask (no decay: gamma infinite),
+        # which is also the loss's normaliser, sum(m) (objectives.py).
+        self.dpace_alpha = cfg.dpace_alpha if cfg.position_weight == "dpace" else None
+        self.block_gamma = math.inf if self.dpace_alpha is not None else gamma
+        self._term_sums: dict[str, torch.Tensor] = {}
 
     def preparer(self, epoch: int):
         cfg, config = self.cfg, self.drafter.config
@@ -68,7 +77,7 @@ class StepRunner:
         def transform(position, sample):
             return sample["sample_id"], prepare(
                 sample, block_size=cfg.block_size, num_anchors=cfg.num_anchors, max_length=cfg.max_length,
-                mask_token_id=config.mask_token_id, gamma=self.gamma, soft=cfg.loss == "kl",
+                mask_token_id=config.mask_token_id, gamma=self.block_gamma, soft=self.soft,
                 generator=anchor_generator(cfg.seed, epoch, int(sample["sample_id"])))
         return transform
 
@@ -88,7 +97,7 @@ class StepRunner:
         return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _placeholder(self):
-        capture_k = 8 if self.cfg.loss == "kl" else None
+        capture_k = 8 if self.soft else None
         return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k)
 
     def take_tokens(self) -> int:
@@ -98,16 +107,20 @@ class StepRunner:
     def _loss(self, packed, with_metrics: bool):
         """(sum of loss * w over the micro-batch, a function returning its metric sums)."""
         if self.full_logits:
+            if self.cfg.loss not in ("ce", "kl") or self.dpace_alpha is not None:
+                raise PipelineError("the full-logits reference path computes loss 'ce' or 'kl' with decay only")
             with self._autocast():
                 logits = forward_logits(self.model, packed)
             return loss_sum(logits, packed, self.cfg.loss), lambda: metric_sums(
                 logits.detach(), packed.labels, packed.weights, packed.real_blocks)
         with self._autocast():
             final = final_hidden(self.model, packed)
-        soft = self.cfg.loss == "kl"
+        soft, sums = self.soft, {}
         part, hits = supervised_loss(final, self.drafter.lm_head_weight, packed.labels, packed.weights,
                                      soft_ids=packed.soft_ids if soft else None, soft_probs=packed.soft_probs if soft else None,
-                                     with_hits=with_metrics)
+                                     with_hits=with_metrics, terms=self.terms, dpace_alpha=self.dpace_alpha, term_sums=sums)
+        for name, value in sums.items():
+            self._term_sums[name] = self._term_sums.get(name, 0) + value.detach().double()
         return part, lambda: hit_sums(hits, packed.weights, packed.real_blocks)
 
     def step(self, batch: list, step: int, *, with_metrics: bool) -> dict:
@@ -126,6 +139,7 @@ class StepRunner:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(step)
         self.optimizer.zero_grad(set_to_none=True)
+        self._term_sums = {}
         micro = [items[i:i + self.plan.micro] for i in range(0, len(items), self.plan.micro)] or [[]]
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         sums = None
@@ -152,13 +166,17 @@ class StepRunner:
         if with_metrics:
             if sums is None:
                 sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
-            flat = torch.cat([v.reshape(-1).double() for v in sums.values()] + [total_loss.cpu().reshape(1)])
+            # Each term's share of the loss: every term the loss names, zero on a rank without one.
+            terms = [self._term_sums.get(name, torch.zeros((), dtype=torch.float64)) for name in self.terms]
+            flat = torch.cat([v.reshape(-1).double() for v in sums.values()]
+                             + [t.cpu().reshape(1).double() for t in terms] + [total_loss.cpu().reshape(1)])
             flat = all_sum(flat, self.world, self.device)
             out, i = {}, 0
             for k, v in sums.items():
                 out[k] = flat[i:i + v.numel()].reshape(v.shape)
                 i += v.numel()
             result["loss"] = float(flat[-1]) / global_w
+            result["loss_terms"] = {name: float(flat[i + j]) / global_w for j, name in enumerate(self.terms)}
             result["metrics"] = finish_metrics(out)
         return result
 

@@ -40,6 +40,9 @@ def log_record(result: dict, trainer: StepRunner, interval: Interval, *, step, e
         # Beyond DESIGN 4: where in the data, and how long this rank waited for it.
         "epoch_progress": epoch + position / plan.samples_per_epoch, "steps_per_epoch": plan.steps_per_epoch,
         "supervised_slots": m["supervised_slots"], "data_wait_frac": interval.data_wait / seconds,
+        # Another objective than the first recipe's: each term's share of the loss on its own.
+        **({f"loss_{name}": value for name, value in result["loss_terms"].items()}
+           if trainer.cfg.loss != "ce" else {}),
     }
 
 

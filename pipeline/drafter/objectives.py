@@ -1,0 +1,112 @@
+"""Training objectives (DESIGN 3.4): the loss terms, their weighted sums, and the slot weights.
+
+A loss is a weighted sum of terms, written `ce`, `lk` or `ce + 0.5*tv`. Per supervised slot, with
+p the target's distribution and q the drafter's softmax, and alpha = sum_v min(p_v, q_v) (the
+probability that speculative sampling accepts the drafter's token):
+- ce:  -log q(label), the target's argmax (the hard label; the first recipe);
+- kl:  KL(p || q);
+- tv:  1 - alpha (total variation);
+- nla: -log max(alpha, 1e-5) (negative log acceptance);
+- lk:  lam * KL(p || q) + (1 - lam) * (1 - alpha), lam = exp(-3 alpha) taken without gradient
+  (the adaptive blend of LK Losses, arXiv 2602.23881: KL while acceptance is low, TV as it rises).
+
+p is the cache's top-k (32 by default: stored logits minus the stored full-vocabulary
+logsumexp give exact probabilities) renormalised over those k tokens: the tail's mass is spread
+over them in proportion. Why: every term then compares two distributions (KL >= 0, alpha <= 1,
+each minimised at q = p), and the tail it drops is what the cache cannot describe anyway (on the
+embedded miniature the top-32 hold all but a few millionths of the target's mass: BENCHMARKS).
+Under a greedy target the label is the whole distribution (p one-hot): alpha = q(label), so kl
+and nla reduce to ce, tv to 1 - q(label), lk to exp(-3 q) ce + (1 - exp(-3 q)) (1 - q).
+
+Slot weights (`position_weight`): "decay", exp(-(k-1)/gamma) (the first recipe), or "dpace", the
+expected-acceptance gain of improving slot k (speculators' D-PACE): with the drafter's own
+confidence q_k = exp(-ce_k) smoothed to s_k = (1 - a) q_k + a on supervised slots (1 on the
+others), w_k = m_k * sum_{j>=k} m_j prod_{i<=j} s_i, computed without gradient; the loss is then
+sum(loss * w) / sum(m), m the supervised slots (speculators' normaliser).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+TERMS = ("ce", "kl", "tv", "nla", "lk")
+POSITION_WEIGHTS = ("decay", "dpace")
+NLA_FLOOR = 1e-5
+LK_ETA = 3.0
+
+
+def parse_loss(expression: str) -> dict[str, float]:
+    """{term: coefficient} of `ce`, `lk`, `ce + 0.5*tv`, `0.3*kl+0.7*tv` ...; raises ValueError."""
+    terms: dict[str, float] = {}
+    for part in str(expression).replace(" ", "").split("+"):
+        match = re.fullmatch(r"(?:([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\*)?([a-z]+)", part)
+        if not match or match.group(2) not in TERMS:
+            raise ValueError(f"loss {expression!r}: each term is NAME or COEF*NAME with NAME one of "
+                             f"{', '.join(TERMS)} (e.g. 'ce', 'lk', 'ce + 0.5*tv')")
+        name, coefficient = match.group(2), float(match.group(1) or 1.0)
+        if name in terms:
+            raise ValueError(f"loss {expression!r}: {name} appears twice")
+        if coefficient <= 0:
+            raise ValueError(f"loss {expression!r}: coefficients must be > 0")
+        terms[name] = coefficient
+    return terms
+
+
+def needs_distribution(terms: dict[str, float]) -> bool:
+    """Whether the loss reads the target's stored top-k (every term but ce does)."""
+    return any(name != "ce" for name in terms)
+
+
+@torch.no_grad()
+def dpace_weights(ce_AB: torch.Tensor, supervised_AB: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights [A, B] from the drafter's per-slot cross-entropy (any value on
+    unsupervised slots) and the supervised slots (bool or 0/1)."""
+    m = supervised_AB.to(torch.float64)
+    q = torch.exp(-ce_AB.to(torch.float64))
+    s = torch.where(m > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
+    reach = m * torch.cumprod(s, dim=-1)                     # m_j * prod_{i<=j} s_i
+    after = reach.flip(-1).cumsum(-1).flip(-1)               # sum over j >= k
+    return (m * after).to(ce_AB.dtype)
+
+
+def term_rows(logq: torch.Tensor, p: torch.Tensor, terms: dict[str, float]):
+    """Per row of a chunk: (each term's value {name: [c]}, a [c], b [c, K]) such that the gradient
+    of sum_t coef_t * term_t with respect to the row's logits is a * softmax - (b scattered at
+    the row's ids). `logq` [c, K] is log q at the row's ids, `p` [c, K] the target's probability
+    there; column 0 is the hard label (for ce; its p is 0 wherever p also lists it among the rest)."""
+    q = logq.exp()
+    values, a, b = {}, torch.zeros_like(q[:, 0]), torch.zeros_like(q)
+    if "ce" in terms:
+        values["ce"] = -logq[:, 0]
+        a += terms["ce"]
+        b[:, 0] += terms["ce"]
+    if len(terms) == 1 and "ce" in terms:
+        return values, a, b
+    soft = p
+    kl = (soft * (torch.log(soft.clamp_min(1e-30)) - logq)).sum(-1)
+    below = (q < soft).to(q.dtype)          # where min(p, q) = q: alpha's gradient flows through q
+    alpha = torch.minimum(soft, q).sum(-1)
+    mq = below * q
+    d_tv_a, d_tv_b = mq.sum(-1), mq          # d(1 - alpha)/dlogits = (sum m q) softmax - scatter(m q)
+    if "kl" in terms:
+        values["kl"] = kl
+        a += terms["kl"] * soft.sum(-1)
+        b += terms["kl"] * soft
+    if "tv" in terms:
+        values["tv"] = 1 - alpha
+        a += terms["tv"] * d_tv_a
+        b += terms["tv"] * d_tv_b
+    if "nla" in terms:
+        clamped = alpha.clamp_min(NLA_FLOOR)
+        values["nla"] = -torch.log(clamped)
+        scale = torch.where(alpha > NLA_FLOOR, 1 / clamped, torch.zeros_like(alpha))
+        a += terms["nla"] * scale * d_tv_a
+        b += terms["nla"] * scale[:, None] * d_tv_b
+    if "lk" in terms:
+        lam = torch.exp(-LK_ETA * alpha)
+        values["lk"] = lam * kl + (1 - lam) * (1 - alpha)
+        a += terms["lk"] * (lam * soft.sum(-1) + (1 - lam) * d_tv_a)
+        b += terms["lk"] * (lam[:, None] * soft + (1 - lam)[:, None] * d_tv_b)
+    return values, a, b
