@@ -119,13 +119,14 @@ def test_keyed_uniforms_are_uniform_and_independent_of_each_other():
 
 def test_sampled_decoding_is_the_same_alone_and_in_a_batch(live, drafter, prompts):
     """One seed scheme: prompt i's tokens depend on the seed and i only, so a batch of 8 decodes
-    what eight single-prompt runs decode (block and DDTree 16), and another seed decodes others."""
+    what eight single-prompt runs decode (block, and DDTree 16 verified as a tree and as paths),
+    and another seed decodes others."""
     batch = prompts[:8]
     sampling = Sampling(0.7, top_p=0.95, seed=11)
-    for budget in (None, 16):
+    for budget, verify in ((None, None), (16, "tree"), (16, "paths")):
         single = [block_decode(live, drafter, ids, max_new=24, eos=EOS, sampling=sampling, row=i) if budget is None
                   else tree_decode(live, drafter, ids, max_new=24, eos=EOS, budget=budget, sampling=sampling, row=i,
-                                   verify="paths")
+                                   verify=verify)
                   for i, ids in enumerate(batch)]
         rows = decode_rows(live, drafter, batch, max_new=24, eos=EOS, budget=budget, sampling=sampling,
                            row_ids=list(range(8)))
