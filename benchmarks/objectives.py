@@ -111,11 +111,11 @@ def table(cells: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--blocks", default="8,16")
+    parser.add_argument("--work", type=Path, required=True, help="folder for the cache, runs and cells/*.json (reused on rerun)")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per cell")
+    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts each cell is decoded on")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
+    parser.add_argument("--blocks", default="8,16", help="comma-separated block sizes")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
     parser.add_argument("--shard", default="0/1", help="I/N: this process runs every N-th cell from the I-th")
     parser.add_argument("--table", action="store_true", help="print the table of the cells done, run nothing")

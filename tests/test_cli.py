@@ -54,7 +54,7 @@ def test_help_texts_survive_rich_markup():
 
 @pytest.mark.parametrize("args, message", [
     (["--cache", "{tmp}/nope"], "{tmp}/nope: no such cache directory"),
-    (["--cache", "{tmp}", "--loss", "mse"], "loss must be 'ce' or 'kl', got 'mse'"),
+    (["--cache", "{tmp}", "--loss", "mse"], "loss 'mse': each term is NAME or COEF*NAME with NAME one of ce, kl, tv, nla, lk"),
     (["--cache", "{tmp}", "--batch-sequences", "0"], "batch_sequences must be >= 1, got 0"),
     (["--cache", "{tmp}", "--preset", "huge"], "unknown preset 'huge'; available: qwen3.6-27b, tiny"),
     (["--config", "{tmp}/train.toml"], "{tmp}/train.toml: unknown key(s) learning_rate in [train]"),
