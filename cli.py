@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.cache.files import STORAGE_ERRNOS, describe_os_error
+from pipeline.files import STORAGE_ERRNOS, describe_os_error
 from pipeline.config import ExtractConfig, load_config
 from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
 from pipeline.errors import PipelineError
@@ -314,7 +314,7 @@ def verify_cache(
 ) -> None:
     """Prove a cache is complete, intact, aligned and correctly masked. Exit 0: all checks pass;
     1: a check failed; 2: usage error."""
-    from pipeline.cache.sample_view import show_sample  # heavy: imports torch; keeps `pipeline --help` fast
+    from pipeline.verify.sample_view import show_sample  # heavy: imports torch; keeps `pipeline --help` fast
     from stages.verify import run_verify  # heavy: imports torch; keeps `pipeline --help` fast
 
     try:

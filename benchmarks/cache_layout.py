@@ -202,7 +202,7 @@ def measure_read(root: Path, repeats: int) -> dict:
     record, _, _ = write_shard(cache, 0, tokens, FLAGSHIP, block)
     record.pop("_fsync_s")
     writer_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    from pipeline.cache.files import write_json_atomic
+    from pipeline.files import write_json_atomic
     manifest = synthetic_manifest(FLAGSHIP).with_shard("shard-00000", record)
     write_json_atomic(cache / "manifest.json", manifest.to_json())
     reader = CacheReader(cache)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.embedded import TARGET_DIR  # noqa: E402
-from pipeline.data.shard_plan import shard_rows  # noqa: E402
+from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 

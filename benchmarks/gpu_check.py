@@ -12,7 +12,7 @@ minutes, printed as one JSON object (also written to --out).
    steps (forward with flex attention, the chunked loss, backward, AdamW) on sequences of 3,072
    tokens x 512 anchors x block 16 under bf16 autocast, for micro-batches 1, 2, 4, 8 until one
    does not fit: peak GPU memory and tokens/s of each that fits.
-3. the loss on the final hidden states of (2): ours (`pipeline/drafter/loss.py`) against Liger
+3. the loss on the final hidden states of (2): ours (`pipeline/training/loss.py`) against Liger
    Kernel's fused linear cross-entropy and cut-cross-entropy where installed (loss, gradient,
    time, peak memory); "not installed" otherwise.
 """
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from pipeline.drafter.batch import final_hidden, pack, prepare  # noqa: E402
 from pipeline.drafter.blocks import block_mask  # noqa: E402
-from pipeline.drafter.loss import LOSS_PATH, supervised_loss  # noqa: E402
+from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path  # noqa: E402
 
 TAPS = [1, 16, 31, 46, 61]

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import time  # noqa: E402
 import torch  # noqa: E402
-from pipeline.target.capture import LogitChunks  # noqa: E402
+from pipeline.target_model.capture import LogitChunks  # noqa: E402
 torch.manual_seed(0)
 head = torch.nn.Linear(5120, 32768, bias=False).requires_grad_(False)
 def old(h, rows=256, buf=[None]):

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from manifests import load_preset  # noqa: E402
 from pipeline.config import TrainConfig  # noqa: E402
-from pipeline.data.shard_plan import shard_rows  # noqa: E402
-from pipeline.drafter.stream import EpochOrder  # noqa: E402
+from pipeline.cache.shard_plan import shard_rows  # noqa: E402
+from pipeline.training.stream import EpochOrder  # noqa: E402
 
 
 def distinct_per_batch(sizes: dict[str, int], batch: int, mix: int) -> list[int]:

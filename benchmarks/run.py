@@ -47,7 +47,7 @@ import train_throughput as tt  # noqa: E402
 
 from pipeline.cache.reader import CacheReader  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
-from pipeline.drafter.stream import SampleStream, StreamState  # noqa: E402
+from pipeline.training.stream import SampleStream, StreamState  # noqa: E402
 from pipeline.embedded import TRAIN_DATA  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 
@@ -219,7 +219,7 @@ def reader_peak_rss(cache: Path) -> tuple[float, float]:
     every sample of `cache` once; RSS is sampled every 20 samples (ru_maxrss would only show
     the import peak)."""
     code = ("import sys; from pipeline.cache.reader import CacheReader; "
-            "from pipeline.drafter.stream import SampleStream, StreamState\n"
+            "from pipeline.training.stream import SampleStream, StreamState\n"
             "def rss():\n"
             "    return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20\n"
             "base = rss(); peak = base\n"

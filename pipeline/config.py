@@ -8,6 +8,7 @@ errors that name the file and the key.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,6 @@ def load_config(cls, path: Path | None, overrides: dict, *, section: str, base: 
 
 def parse_size(text) -> int | None:
     """'500G' -> bytes (K, M, G, T: powers of 1024); None when it is not a positive size."""
-    import re
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
     if not m:
         return None
@@ -154,7 +154,7 @@ class TrainConfig:
     num_anchors: int = 512
     max_length: int = 3072
     # Loss (DESIGN 3.4, 3.6).
-    # A weighted sum of terms (pipeline/drafter/objectives.py): "ce" (hard, default), "kl", "tv",
+    # A weighted sum of terms (pipeline/training/objectives.py): "ce" (hard, default), "kl", "tv",
     # "nla", "lk" (over the stored top-k), e.g. "ce + 0.5*tv"; each term is logged as loss_<term>.
     loss: str = "ce"
     position_weight: str = "decay"          # slot weights: "decay" (exp(-(k-1)/gamma)) | "dpace" (expected-acceptance gain)
@@ -236,8 +236,28 @@ class TrainConfig:
                 raise PipelineError(message)
 
 
+# The loss expression's syntax; the terms' mathematics is pipeline/training/objectives.py.
+LOSS_TERMS = ("ce", "kl", "tv", "nla", "lk")
+
+
+def parse_loss(expression: str) -> dict[str, float]:
+    """{term: coefficient} of `ce`, `lk`, `ce + 0.5*tv`, `0.3*kl+0.7*tv` ...; raises ValueError."""
+    terms: dict[str, float] = {}
+    for part in str(expression).replace(" ", "").split("+"):
+        match = re.fullmatch(r"(?:([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\*)?([a-z]+)", part)
+        if not match or match.group(2) not in LOSS_TERMS:
+            raise ValueError(f"loss {expression!r}: each term is NAME or COEF*NAME with NAME one of "
+                             f"{', '.join(LOSS_TERMS)} (e.g. 'ce', 'lk', 'ce + 0.5*tv')")
+        name, coefficient = match.group(2), float(match.group(1) or 1.0)
+        if name in terms:
+            raise ValueError(f"loss {expression!r}: {name} appears twice")
+        if coefficient <= 0:
+            raise ValueError(f"loss {expression!r}: coefficients must be > 0")
+        terms[name] = coefficient
+    return terms
+
+
 def _loss_error(expression: str) -> str | None:
-    from pipeline.drafter.objectives import parse_loss
     try:
         parse_loss(expression)
     except ValueError as e:

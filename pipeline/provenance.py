@@ -1,11 +1,6 @@
-"""Provenance: which code computed the cache, on what, from what (DESIGN 6).
-
-Kernel provenance for the linear-attention ops of transformers' qwen3_5 modeling: transformers
-binds each op at import time (hub kernels, then fla / causal_conv1d, then the torch reference)
-inside a wrapper closure. `bound_kernels` reads what was bound; `KernelCallCounter` counts what
-was actually called during a forward, by wrapping the module globals the layers call through
-(both in pipeline/target/internals.py); `kernel_record` puts them together.
-"""
+"""Provenance: which code computed the cache, on what, from what (DESIGN 6): the environment
+(versions, git revision), file records and digests of datasets, weights and tokenizers. Which
+kernels ran is the target's to say (pipeline/target_model/kernels.py)."""
 
 from __future__ import annotations
 
@@ -16,20 +11,6 @@ import subprocess
 from pathlib import Path
 
 import torch
-
-from pipeline.target.internals import bound_kernels, modeling_module_of
-
-
-def kernel_record(model, counts: dict[str, int]) -> dict:
-    """Per op: what was bound and how often it ran; plus a one-word path for quick comparison."""
-    bound = bound_kernels(modeling_module_of(model))
-    ops = {op: {**info, "calls": counts.get(op, 0)} for op, info in bound.items()}
-    called = sorted({info["kind"] for info in ops.values() if info["calls"]})
-    linear = "linear_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or [])
-    if linear and (not bound or any(info["kind"] == "unknown" for info in bound.values())):
-        return {"ops": ops, "path": "unknown"}  # linear attention ran through code we cannot identify
-    return {"ops": ops, "path": "+".join(called) if called else "none"}
-
 
 def _version(dist: str) -> str | None:
     try:

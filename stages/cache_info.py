@@ -4,7 +4,7 @@ identity, completeness, provenance grouped by shard, counts and bytes (pipeline/
 from __future__ import annotations
 
 from pipeline.cache.info import cache_info
-from pipeline.cache.location import open_location
+from pipeline.cache.address import open_location
 
 
 def run_cache_info(cache: str) -> dict:

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.cache.files import write_json_atomic
+from pipeline.files import write_json_atomic
 from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import default_gamma

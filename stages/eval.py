@@ -21,8 +21,8 @@ from pipeline.cache.reader import open_cache
 from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
-from pipeline.drafter.run_record import resolve_drafter, target_mismatch
-from pipeline.drafter.teacher_forced import teacher_forced
+from pipeline.training.run_record import resolve_drafter, target_mismatch
+from pipeline.speculative.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError
 from pipeline.speculative.compare import decode_variants
@@ -31,9 +31,9 @@ from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
 from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures
-from pipeline.target import end_of_turn_ids, frozen_target_modules, load_model, load_tokenizer, read_target_facts, resolve_target
-from pipeline.target.internals import takes_mask
-from pipeline.target.live import LiveTarget
+from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_model, load_tokenizer, read_target_facts, resolve_target
+from pipeline.target_model.internals import takes_mask
+from pipeline.target_model.live import LiveTarget
 from pipeline.tracking import parse_report_to, report_eval, tracker_class
 
 

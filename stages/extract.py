@@ -14,22 +14,23 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, replace
 
-from pipeline.cache.claim import claim_shard, refuse_foreign_content
-from pipeline.cache.estimate import estimate_extraction, read_inputs
-from pipeline.cache.extract_record import cache_dims, chunking, identity_record
-from pipeline.cache.location import LocalLocation, open_location
+from pipeline.extract.claim import claim_shard, refuse_foreign_content
+from pipeline.extract.estimate import estimate_extraction, read_inputs
+from pipeline.extract.extract_record import cache_dims, chunking, identity_record
+from pipeline.cache.address import open_location
+from pipeline.cache.location import LocalLocation
 from pipeline.cache.manifest import SourcesRecord, create_manifest, new_manifest
 from pipeline.cache.schema import MANIFEST
 from pipeline.cache.store_probe import check_create_if_absent
-from pipeline.cache.shard_run import ShardRun
+from pipeline.extract.shard_run import ShardRun
 from pipeline.config import ExtractConfig
-from pipeline.data.shard_plan import assign_to_groups, shard_rows
+from pipeline.cache.shard_plan import assign_to_groups, shard_rows
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import init_layout
 from pipeline.errors import PipelineError
 from pipeline.provenance import environment
-from pipeline.target import load_target_model
-from pipeline.target.capture import Capture
+from pipeline.target_model import load_target_model
+from pipeline.target_model.capture import Capture
 from pipeline.ui import ProgressBar
 
 
@@ -41,7 +42,7 @@ def _with_source(cfg: ExtractConfig) -> ExtractConfig:
 
 def run_extract_dry(cfg: ExtractConfig, shards_spec: str | None, *, assume_tokens_per_s: float | None = None,
                     assume_compression: float = 1.0, progress: bool = True) -> dict:
-    """`extract --dry-run`: the bill of this extraction (pipeline/cache/estimate.py). Reads the
+    """`extract --dry-run`: the bill of this extraction (pipeline/extract/estimate.py). Reads the
     data, the target's config and tokenizer; loads no weights and writes nothing."""
     inputs = read_inputs(_with_source(cfg), shards_spec)
     num_rows = inputs.dataset["num_rows"]

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from pipeline.data.conversations import index_rows, iter_rows, resolve_data
-from pipeline.data.shard_plan import assign_to_groups, parse_shards, shard_rows
+from pipeline.cache.shard_plan import assign_to_groups, parse_shards, shard_rows
 from pipeline.distributed import launched_rank, launched_world_size
 from pipeline.errors import PipelineError
 from pipeline.generate.in_process import InProcess
@@ -30,7 +30,7 @@ from pipeline.generate.parts import Parts
 from pipeline.generate.regenerate import regenerate_rows, row_check
 from pipeline.generate.server import Server
 from pipeline.provenance import file_records
-from pipeline.target import load_tokenizer, resolve_target
+from pipeline.target_model import load_tokenizer, resolve_target
 
 TURNS = ("all", "last")
 ROWS_PER_SHARD = 256   # the default shard count is ceil(rows / 256): the unit of resumption

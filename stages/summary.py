@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 
 from pipeline.data.conversations import iter_rows
-from pipeline.target import chat_template_sha256, load_model, load_tokenizer, read_target_facts
-from pipeline.target.describe import layer_pattern, self_agreement
-from pipeline.target.taps import default_taps
+from pipeline.target_model import chat_template_sha256, load_model, load_tokenizer, read_target_facts
+from pipeline.data.self_agreement import self_agreement
+from pipeline.target_model.describe import layer_pattern
+from pipeline.target_model.taps import default_taps
 
 
 def target_summary(target_dir: Path, *, heldout: Path | None = None, build_report: Path | None = None,

@@ -1,11 +1,11 @@
 """Stage two: `pipeline train --cache DIR` trains a DFlash drafter from the cache alone.
 
 The target's weights are read only for the frozen embedding and lm_head. One optimizer step
-takes `batch_sequences` samples in the epoch order of `pipeline.drafter.stream` (a pure function
+takes `batch_sequences` samples in the epoch order of `pipeline.training.stream` (a pure function
 of the shards, seed and epoch); rank r of W reads positions r, r+W, ..., so the same global
-batch forms whatever W is; `pipeline.drafter.step` runs each step (global loss normalisation,
+batch forms whatever W is; `pipeline.training.step` runs each step (global loss normalisation,
 micro-batches, DDP). This module resolves the configuration, builds the drafter and its optimizer
-from the cache and the target, and hands them to the loop (pipeline/drafter/loop.py), which logs
+from the cache and the target, and hands them to the loop (pipeline/training/loop.py), which logs
 (train_log.py) and checkpoints (checkpoint.py).
 
 Resume is exact: a checkpoint holds the drafter, optimizer, RNG and the data position (epoch,
@@ -24,26 +24,26 @@ import torch.distributed as dist
 
 from manifests import load_preset
 from pipeline.allocator import keep_freed_buffers_mapped
-from pipeline.cache.files import write_json_atomic
+from pipeline.files import write_json_atomic
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
 from pipeline.drafter.blocks import default_gamma
-from pipeline.drafter.checkpoint import cache_identity, resume_position
+from pipeline.training.checkpoint import cache_identity, resume_position
 from pipeline.drafter.compat import check_compatible, kernel_paths, match_preset
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.geometry import check_mask_absent, drafter_config
-from pipeline.drafter.loop import train_loop
-from pipeline.drafter.loss import LOSS_PATH
+from pipeline.training.loop import train_loop
+from pipeline.training.loss import LOSS_PATH
 from pipeline.drafter.model import DFlashDrafter, attention_path
-from pipeline.drafter.plan import describe_optimizer, make_optimizer, make_plan
-from pipeline.drafter.step import StepRunner, autocast_dtype
-from pipeline.drafter.train_log import read_log, trim_log
+from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
+from pipeline.training.step import StepRunner, autocast_dtype
+from pipeline.training.train_log import read_log, trim_log
 from pipeline.errors import PipelineError
 from pipeline.report.live import LiveVerdicts
-from pipeline.target import frozen_target_modules, identity_claims, read_target_facts, resolve_target
+from pipeline.target_model import frozen_target_modules, identity_claims, read_target_facts, recorded_in_cache, resolve_target
 from pipeline.tracking import Trackers, open_trackers, tracker_class
 
 
@@ -74,7 +74,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     keep_freed_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
     reader = open_cache(cfg.cache, cfg.cache_local, cfg.cache_local_size)
     manifest = reader.manifest
-    target_dir = resolve_target(cfg.target, manifest.recorded_target())
+    target_dir = resolve_target(cfg.target, recorded_in_cache(manifest))
     facts = read_target_facts(target_dir)
     # The weights decide the frozen embedding and lm_head; config.json may be re-saved, so it is not compared.
     check_compatible(manifest, target=str(target_dir), target_claims=identity_claims(target_dir, weights=True, config=False),

@@ -4,8 +4,8 @@ Orchestrates the checks, over every sample of the selected shards (DESIGN 10): m
 (pipeline/cache/: selection_checks (completeness, target identity), structure_checks (structure,
 digests, provenance), chunk_checks (checksums, finiteness, tap signatures), label_checks (label
 alignment, top-k)), the loss masks with the target's tokenizer and chat template
-(pipeline/cache/sample_checks.py), and, with the target's weights, the tail recompute of every
-sample and the stratified `--recompute N` (pipeline/cache/model_checks.py), on a GPU when present.
+(pipeline/verify/sample_checks.py), and, with the target's weights, the tail recompute of every
+sample and the stratified `--recompute N` (pipeline/verify/model_checks.py), on a GPU when present.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ import resource
 import time
 from pathlib import Path
 
-from pipeline.cache.bounded_reads import sound_shards
-from pipeline.cache.check_report import Check
-from pipeline.cache.chunk_checks import check_chunks
-from pipeline.cache.label_checks import check_alignment
-from pipeline.cache.location import open_location
-from pipeline.cache.model_checks import check_recompute, check_tail, stratified_picks
+from pipeline.verify.bounded_reads import sound_shards
+from pipeline.verify.check_report import Check
+from pipeline.verify.chunk_checks import check_chunks
+from pipeline.verify.label_checks import check_alignment
+from pipeline.cache.address import open_location
+from pipeline.verify.model_checks import check_recompute, check_tail, stratified_picks
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.sample_checks import check_loss_masks, check_mask_boundaries
-from pipeline.cache.selection_checks import check_completeness, check_target_identity, select_shards
-from pipeline.cache.structure_checks import check_digests, check_provenance, check_structure
+from pipeline.verify.sample_checks import check_loss_masks, check_mask_boundaries
+from pipeline.verify.selection_checks import check_completeness, check_target_identity, select_shards
+from pipeline.verify.structure_checks import check_digests, check_provenance, check_structure
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.errors import PipelineError
-from pipeline.target import load_model, load_tokenizer, resolve_target
+from pipeline.target_model import load_model, load_tokenizer, recorded_in_cache, resolve_target
 from pipeline.ui import ProgressBar
 
 
@@ -60,7 +60,7 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
     checks.append(check_provenance(reader, selected))
     target_dir, no_target = None, None
     try:
-        target_dir = resolve_target(target, reader.manifest.recorded_target())
+        target_dir = resolve_target(target, recorded_in_cache(reader.manifest))
     except PipelineError as e:
         if recompute or target is not None:
             raise PipelineError(f"--recompute needs the target: {e}" if target is None else str(e)) from None

@@ -150,7 +150,7 @@ def in_namespace(script: str, out: Path) -> None:
 
 def shard_digest(shard_dir: Path) -> str:
     """The digest of a shard as it is on disk, derived from its files' bytes."""
-    from pipeline.cache.files import digest_of_files
+    from pipeline.files import digest_of_files
 
     return "sha256:" + digest_of_files(hash_files_on_disk(shard_dir))
 
@@ -183,7 +183,7 @@ def resign(cache: Path, name: str) -> None:
     """Make a deliberately edited shard's digests (digests.json and the manifest) match its bytes
     again, so a test reaches the check it is about instead of stopping at the digest check."""
     from pipeline.cache.commit import record_bytes
-    from pipeline.cache.files import digest_of_files
+    from pipeline.files import digest_of_files
 
     files = hash_files_on_disk(cache / name)
     path = cache / name / "digests.json"

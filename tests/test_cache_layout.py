@@ -14,7 +14,7 @@ from numcodecs import Zstd
 
 from extract_helpers import cli, cli_here, hash_files_on_disk, manifest_json, shard_digest, write_rows
 from pipeline.cache.commit import hash_shard, read_digests
-from pipeline.cache.location import open_location
+from pipeline.cache.address import open_location
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import Chunking, array_specs, per_shard_files
 from pipeline.cache.sharded import frame_content_size

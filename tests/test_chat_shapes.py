@@ -306,7 +306,7 @@ def test_verify_rederives_and_show_marks_kinds(tmp_path, targets):
     """verify-cache re-derives every mask with the same rule (row fields included), and --show
     colours reasoning, tool-call, content and end-of-turn tokens apart."""
     from pipeline.data.loss_mask import token_kinds
-    from pipeline.cache.sample_view import show_sample
+    from pipeline.verify.sample_view import show_sample
     from stages.verify import run_verify
     target = targets[("qwen3.6", True)]
     shapes = ["tool_with_reasoning", "reasoning_last", "assistant_first", "content_null"]

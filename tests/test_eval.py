@@ -10,11 +10,11 @@ from extract_helpers import cli, cli_here, small_cache
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
 from pipeline.speculative.decode import block_decode, greedy
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 from pipeline.speculative.tree import build_tree
 from pipeline.data.prompts import read_prompts
 from stages.eval import run_eval
-from pipeline.target import frozen_target_modules
+from pipeline.target_model import frozen_target_modules
 
 EOS = {498}
 

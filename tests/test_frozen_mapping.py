@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.errors import PipelineError
-from pipeline.target.loading import frozen_target_modules
+from pipeline.target_model.loading import frozen_target_modules
 
 
 def _target(tmp_path: Path, *, tied: bool = False, dtype=torch.bfloat16) -> Path:

@@ -75,3 +75,135 @@ def test_the_cli_imports_without_torch():
     probe = "import sys, cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# The library's packages by job, from the top down (README, layout). A package imports only the
+# floors below its own; packages on one floor are independent of each other, except on the
+# ground floor (small shared modules). Every import counts, function-local ones too.
+FLOORS = [
+    ("independent", ["pipeline.toy"]),
+    ("independent", ["pipeline.extract", "pipeline.verify", "pipeline.training", "pipeline.speculative",
+                     "pipeline.generate"]),
+    ("independent", ["pipeline.drafter"]),
+    ("independent", ["pipeline.cache", "pipeline.data"]),
+    ("independent", ["pipeline.target_model"]),
+    ("independent", ["pipeline.config", "pipeline.provenance", "manifests"]),
+    ("independent", ["pipeline.tracking"]),
+    ("independent", ["pipeline.report"]),
+    ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
+                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.schedule", "pipeline.threads",
+                "pipeline.ui", "pipeline"]),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def library_modules() -> dict[str, Path]:
+    paths = sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "manifests").glob("*.py"))
+    return {module_name(p): p for p in paths}
+
+
+def package_of(module: str) -> str | None:
+    """The floor plan's package that holds `module` (the longest listed prefix)."""
+    found = [name for _, names in FLOORS for name in names if module == name or module.startswith(name + ".")]
+    return max(found, key=len) if found else None
+
+
+def floor_of(package: str) -> int:
+    return next(i for i, (_, names) in enumerate(FLOORS) if package in names)
+
+
+def internal_imports(known: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the library modules it imports (a `from package import name` of a submodule counts
+    as importing that submodule)."""
+    edges: dict[str, set[str]] = {}
+    for module, path in known.items():
+        targets = set()
+        for _, imported, names in imports(path):
+            for candidate in [f"{imported}.{n}" for n in names] + [imported]:
+                while candidate and candidate not in known and "." in candidate:
+                    candidate = candidate.rsplit(".", 1)[0]
+                if candidate in known and candidate != module:
+                    targets.add(candidate)
+                    break
+        edges[module] = targets
+    return edges
+
+
+def floor_violations(edges: dict[str, set[str]]) -> list[str]:
+    offenders = []
+    for module, targets in sorted(edges.items()):
+        here = package_of(module)
+        if here is None:
+            offenders.append(f"{module} is on no floor: add its package to FLOORS")
+            continue
+        for target in sorted(targets):
+            there = package_of(target)
+            if there is None or there == here:
+                continue
+            mine, theirs = floor_of(here), floor_of(there)
+            if theirs < mine:
+                offenders.append(f"{module} imports {target}: {there} is on a floor above {here}")
+            elif theirs == mine and FLOORS[mine][0] == "independent":
+                offenders.append(f"{module} imports {target}: {here} and {there} share a floor and are independent")
+    return offenders
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle among modules once (Tarjan's strongly connected components of size > 1)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_each_package_imports_only_the_floors_below_it():
+    offenders = floor_violations(internal_imports(library_modules()))
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_import_cycles_among_modules():
+    known = library_modules()
+    for p in sorted((ROOT / "stages").glob("*.py")) + [ROOT / "cli.py"]:
+        known[module_name(p)] = p
+    found = cycles(internal_imports(known))
+    assert not found, found
+
+
+def test_the_floor_and_cycle_rules_catch_what_they_forbid():
+    """Hand-made graphs: an upward import, two independent packages on one floor, a cycle."""
+    upward = {"pipeline.cache.reader": {"pipeline.training.loop"}, "pipeline.training.loop": set()}
+    assert floor_violations(upward) == ["pipeline.cache.reader imports pipeline.training.loop: "
+                                        "pipeline.training is on a floor above pipeline.cache"]
+    sideways = {"pipeline.verify.x": {"pipeline.extract.y"}, "pipeline.extract.y": set()}
+    assert "independent" in floor_violations(sideways)[0]
+    shared = {"pipeline.devices": {"pipeline.distributed"}, "pipeline.distributed": set()}
+    assert floor_violations(shared) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

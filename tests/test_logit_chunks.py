@@ -9,7 +9,7 @@ computed at 1 and at 2 threads, bit for bit, and the plain lm_head within float3
 import pytest
 import torch
 
-from pipeline.target.capture import LogitChunks
+from pipeline.target_model.capture import LogitChunks
 
 # Lengths whose last chunk of 256 rows has each awkward count, and some that never had one.
 LENGTHS = [5, 6, 7, 9, 10, 11, 261, 267, 16, 100, 256, 300]

@@ -1,4 +1,4 @@
-"""The training loss without full logits (pipeline/drafter/loss.py) against the full-logits
+"""The training loss without full logits (pipeline/training/loss.py) against the full-logits
 reference (the drafter's plain forward to [A, B, V] logits, then `weighted_ce` / `weighted_soft_kl`,
 which test_drafter checks against the formula): same loss, same gradients, same metrics, and no
 tensor of the full [supervised slots, V] size kept for backward."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.drafter.batch import anchor_generator, final_hidden, forward_logits, loss_sum, pack, prepare
-from pipeline.drafter.loss import supervised_loss
+from pipeline.training.loss import supervised_loss
 from pipeline.drafter.metrics import hit_sums, metric_sums
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 

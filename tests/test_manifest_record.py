@@ -1,6 +1,6 @@
 """One owner per concept (issue 20): the typed manifest record, its one identity comparison, and
 the one target resolver. Oracles: the manifest file as written on disk, fields changed by hand,
-and the resolution rule as stated in pipeline/target/facts.py."""
+and the resolution rule as stated in pipeline/target_model/facts.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from extract_helpers import manifest_json, small_cache
 from pipeline.cache.identity import parse_identity
 from pipeline.cache.manifest import read_manifest
 from pipeline.errors import PipelineError
-from pipeline.target import RecordedTarget, config_sha256, resolve_target
+from pipeline.target_model import RecordedTarget, config_sha256, resolve_target
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +159,9 @@ def test_eval_does_not_fall_back_to_the_embedded_target(tmp_path):
 def test_verify_and_train_compare_a_target_with_the_same_comparison(cache, embedded, tmp_path):
     """Another chat template: verify's target check and train's refusal name the same fields."""
     from pipeline.cache.reader import CacheReader
-    from pipeline.target import load_tokenizer
+    from pipeline.target_model import load_tokenizer
     from stages.train import resolve_config, run_train
-    from pipeline.cache.selection_checks import check_target_identity
+    from pipeline.verify.selection_checks import check_target_identity
 
     other = tmp_path / "other"
     shutil.copytree(embedded.TARGET_DIR, other)
@@ -206,7 +206,7 @@ def test_a_mask_id_that_occurs_in_the_data_is_refused(tmp_path, train_rows):
 
 
 def test_the_mask_token_may_be_an_id_and_must_be_reserved(cache, embedded):
-    from pipeline.target import read_target_facts
+    from pipeline.target_model import read_target_facts
     from pipeline.drafter.geometry import mask_token_id
 
     facts = read_target_facts(embedded.TARGET_DIR)

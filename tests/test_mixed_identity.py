@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from extract_helpers import ARRAYS, REPO, cli, cli_here, edit_record
-from pipeline.cache.location import open_location
+from pipeline.cache.address import open_location
 from pipeline.cache.manifest import create_manifest, identity_conflicts, read_manifest
 from pipeline.cache.reader import CacheReader, open_cache
 from pipeline.cache.store_probe import check_create_if_absent

@@ -130,7 +130,7 @@ def test_local_copies_serve_rereads_within_their_budget(server, s3_env, referenc
     disk where the budget allows, and what is read equals the directory cache."""
     from extract_helpers import ARRAYS
     from pipeline.cache.local_copy import LocalCopies
-    from pipeline.cache.location import open_location
+    from pipeline.cache.address import open_location
     from pipeline.cache.reader import CacheReader
 
     bucket = server.new_bucket()

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-from pipeline.drafter import loss as loss_module
-from pipeline.drafter.loss import supervised_loss
-from pipeline.drafter.objectives import dpace_weights, parse_loss
+from pipeline.training import loss as loss_module
+from pipeline.training.loss import supervised_loss
+from pipeline.config import parse_loss
+from pipeline.training.objectives import dpace_weights
 
 # Hand-worked D-PACE blocks (alpha 0.5; slot 0 is the anchor, never supervised). Confidences
 # q = exp(-ce) = 0.8, 0.5, 0.9, 0.6 on slots 1-4, so s = 0.5 q + 0.5 = 0.9, 0.75, 0.95, 0.8 and

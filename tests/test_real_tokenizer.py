@@ -218,7 +218,7 @@ def test_prefill_computes_one_row_of_logits(real):
 
     from pipeline.generate.sampling import generate
     from pipeline.speculative.decode import greedy
-    from pipeline.target.live import LiveTarget
+    from pipeline.target_model.live import LiveTarget
 
     model = AutoModelForCausalLM.from_pretrained(real["target"], dtype=torch.float32).eval()
     live = LiveTarget(model, [1, 3, 5])

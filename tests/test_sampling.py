@@ -19,7 +19,7 @@ from pipeline.data.prompts import read_prompts
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import block_decode, drafting, tree_decode
 from pipeline.speculative.sampling import LosslessRule, Sampling, draw, uniform
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 from sampling_stats import categories, chi_square, exact_continuations, simulated_power
 
 EOS = {498}
@@ -36,7 +36,7 @@ SETTING = dict(temperature=2.0, top_p=0.9)
 @pytest.fixture(scope="module")
 def drafter(trained_run, embedded):
     from pipeline.drafter.export import load_drafter
-    from pipeline.target import frozen_target_modules
+    from pipeline.target_model import frozen_target_modules
 
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     return load_drafter(trained_run["run"] / "drafter", embed=embed, lm_head=head).eval()
@@ -47,7 +47,7 @@ def short_drafter(trained_run, embedded):
     """The same drafter drafting blocks of 4 (3 draft tokens, as `eval --block-size 4`): the
     distribution tests verify 1,000 rows at a time, and a shorter block halves that pass."""
     from pipeline.drafter.export import load_drafter
-    from pipeline.target import frozen_target_modules
+    from pipeline.target_model import frozen_target_modules
 
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(trained_run["run"] / "drafter", embed=embed, lm_head=head).eval()

@@ -5,7 +5,7 @@ from extract_helpers import write_rows
 
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
-from pipeline.drafter.stream import (
+from pipeline.training.stream import (
     EpochOrder,
     SampleStream,
     StreamState,

@@ -2,7 +2,7 @@ import pytest
 
 from manifests import load_preset, preset_names
 from pipeline.errors import PipelineError
-from pipeline.target.taps import default_taps, hidden_state_indices, validate_taps
+from pipeline.target_model.taps import default_taps, hidden_state_indices, validate_taps
 
 
 def test_default_taps_match_design():
@@ -41,7 +41,7 @@ def test_presets_use_the_default_taps(name):
 
 
 def test_tiny_preset_matches_the_shipped_target(embedded):
-    from pipeline.target import read_target_facts
+    from pipeline.target_model import read_target_facts
     facts = read_target_facts(embedded.TARGET_DIR)
     target = load_preset("tiny")["target"]
     assert (facts.num_hidden_layers, facts.hidden_size, facts.vocab_size) == (

@@ -91,7 +91,7 @@ def test_dataset_responses_are_the_targets_own(target, tokenizer, heldout_rows):
     """Teacher-forced on its own held-out responses the target predicts (nearly) every token;
     a dataset written by anything else would not agree this well."""
     from pipeline.data.conversations import parse_row
-    from pipeline.target.describe import self_agreement
+    from pipeline.data.self_agreement import self_agreement
     rows = [parse_row(i, f"heldout.jsonl:{i + 1}", r) for i, r in enumerate(heldout_rows[:40])]
     result = self_agreement(target, tokenizer, rows, tokenizer.eos_token)
     assert result["agreement"] >= 0.98, result

@@ -12,7 +12,7 @@ from pipeline.data.prompts import read_prompts
 from pipeline.speculative.decode import Decoded, greedy
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures, tie_tolerance
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from extract_helpers import (REPO, cli, cli_here, edit_record, file_size_limit, 
                              small_cache, torchrun)
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
-from pipeline.drafter.checkpoint import list_checkpoints
+from pipeline.training.checkpoint import list_checkpoints
 from pipeline.drafter.export import load_drafter
 from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.errors import PipelineError
-from pipeline.target import read_target_facts
+from pipeline.target_model import read_target_facts
 from pipeline.drafter.geometry import drafter_config
-from pipeline.target import frozen_target_modules
+from pipeline.target_model import frozen_target_modules
 from stages.train import resolve_config, run_train
 
 DESIGN_KEYS = {"step", "epoch", "loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4",

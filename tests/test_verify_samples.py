@@ -162,7 +162,7 @@ def test_unknown_kernel_provenance_fails_verify_and_train(tmp_path, train_rows, 
     Extraction records `unknown` (never a guess), verify fails on it, train refuses it."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    from pipeline.target.internals import LINEAR_ATTENTION_OPS
+    from pipeline.target_model.internals import LINEAR_ATTENTION_OPS
     from stages.train import run_train
 
     for attr in LINEAR_ATTENTION_OPS:

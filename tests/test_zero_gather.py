@@ -1,5 +1,5 @@
 """A checkpoint's optimizer state with several ranks: gathered tensor by tensor to rank 0
-(pipeline.drafter.plan.gathered_state) rather than by torch's consolidate_state_dict, which
+(pipeline.training.plan.gathered_state) rather than by torch's consolidate_state_dict, which
 pickles and broadcasts every rank's state to every rank (issue 40: 5.4 GB more a rank at hidden
 5120). The reference is torch's own consolidation of the same optimizer, on real gloo ranks."""
 

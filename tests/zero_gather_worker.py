@@ -1,5 +1,5 @@
 """Run by tests/test_zero_gather.py under torchrun (gloo): the optimizer state gathered for a
-checkpoint (pipeline.drafter.plan.gathered_state) against torch's own consolidation of the same
+checkpoint (pipeline.training.plan.gathered_state) against torch's own consolidation of the same
 ZeroRedundancyOptimizer (consolidate_state_dict, then state_dict()) on rank 0. Writes OUT/result.json."""
 
 import json
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.drafter.plan import gathered_state  # noqa: E402
+from pipeline.training.plan import gathered_state  # noqa: E402
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ cache's root ('manifest.json', 'shard-00003/hidden/c.0.0.0'):
 
 A directory still gets durable writes (fsync) and atomic small files (temporary + rename, which
 every POSIX filesystem has; `flock` is not needed). An object store write is atomic by nature.
-The object-store backend is in pipeline/cache/object_store.py (an optional extra).
+The object-store backend is in pipeline/cache/object_store.py (an optional extra); a location
+string becomes a `Location` in pipeline/cache/address.py, the one module that knows both.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.cache.files import describe_os_error, fsync_dir
+from pipeline.files import describe_os_error, fsync_dir
 from pipeline.errors import PipelineError
 
 STREAM_BLOCK = 1 << 22
@@ -241,18 +242,3 @@ class LocalLocation(Location):
             raise PipelineError(f"{self.root}: cannot create the cache directory ({describe_os_error(e)})") from None
         if not os.access(self.root, os.W_OK):
             raise PipelineError(f"{self.root}: {os.strerror(errno.EACCES).lower()}")
-
-
-def open_location(url: str | Path) -> Location:
-    """A location from what the user wrote: a path, file://PATH or s3://BUCKET/PREFIX."""
-    text = str(url)
-    if text.startswith("s3://"):
-        from pipeline.cache.object_store import S3Location
-        return S3Location.from_url(text)
-    if text.startswith("file://"):
-        return LocalLocation(Path(text[len("file://"):]), url=text)
-    scheme = text.split("://", 1)[0] if "://" in text else ""
-    if scheme and scheme.replace("+", "").replace("-", "").isalnum():
-        raise PipelineError(f"{text}: unsupported cache location scheme {scheme!r} (a path, file://PATH or "
-                            "s3://BUCKET/PREFIX)")
-    return LocalLocation(Path(text))

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cache.identity import Difference, Identity, shard_claims, shard_field_name
-from pipeline.cache.location import Location, open_location
+from pipeline.cache.address import open_location
+from pipeline.cache.location import Location
 from pipeline.cache.records import RecordFieldError, dump_record, parse_record, stored_as
 from pipeline.cache.schema import (
     FORMAT_NAME,
@@ -128,15 +129,10 @@ class Manifest:
                 found[name] = differences
         return found
 
-    def recorded_target(self):
-        from pipeline.target import RecordedTarget
-        return RecordedTarget(path=self.sources.target, config_sha256=self.identity.target.config_sha256,
-                              source="the cache manifest")
-
     def missing_shards(self, wanted: list[int] | None = None) -> dict:
         """Completeness (DESIGN 5): which of the cache's `num_shards` (or of `wanted`) are not
         committed, and how many dataset rows they hold by the shard plan."""
-        from pipeline.data.shard_plan import shard_rows
+        from pipeline.cache.shard_plan import shard_rows
 
         num_shards, num_rows = self.identity.num_shards, self.plan.num_rows
         indices = range(num_shards) if wanted is None else wanted

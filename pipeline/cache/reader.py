@@ -17,7 +17,8 @@ import zarr
 
 from pipeline.cache.encoding import decode_hidden
 from pipeline.cache.local_copy import LocalCopies
-from pipeline.cache.location import Location, open_location
+from pipeline.cache.address import open_location
+from pipeline.cache.location import Location
 from pipeline.cache.manifest import describe_foreign, read_manifest
 from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, array_specs, file_key, role_names, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray

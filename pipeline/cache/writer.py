@@ -25,7 +25,7 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from pipeline.cache.commit import DigestingStore, record_bytes
-from pipeline.cache.files import describe_os_error, digest_of_files
+from pipeline.files import describe_os_error, digest_of_files
 from pipeline.cache.location import Location
 from pipeline.cache.schema import DIGESTS, FILE_KEY_SEPARATOR, Chunking, array_specs, inner_shape, shard_name
 from pipeline.errors import PipelineError

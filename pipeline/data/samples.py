@@ -14,7 +14,7 @@ from pipeline.data.conversations import Row, index_rows, iter_rows
 from pipeline.data.loss_mask import REASONING, TOOL_CALL, ConversationMasker, Tokenized
 from pipeline.errors import PipelineError
 from pipeline.provenance import file_records
-from pipeline.target import reserved_token_ids
+from pipeline.target_model import reserved_token_ids
 
 
 def row_tokens(row: Row, masker: ConversationMasker) -> tuple[list[int], list[int], Tokenized | None]:

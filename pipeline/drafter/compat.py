@@ -32,7 +32,7 @@ def kernel_paths(manifest: Manifest) -> dict[str, list[str]]:
 def check_compatible(manifest: Manifest, *, target: str, target_claims: dict, taps: list[int] | None,
                      preset_target: dict | None, preset_name: str | None, allow_mixed_provenance: bool, warn) -> None:
     """Raise PipelineError listing every disagreement; call `warn` for accepted mixed provenance.
-    `target_claims`: what the target directory says of the identity (`pipeline.target.identity_claims`)."""
+    `target_claims`: what the target directory says of the identity (`pipeline.target_model.identity_claims`)."""
     sources = []
     if taps is not None:
         sources.append(("drafter config", {"capture.target_layer_ids": list(taps)}))

@@ -12,7 +12,7 @@ from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig
 from pipeline.drafter.config import DrafterConfig
 from pipeline.errors import PipelineError
-from pipeline.target import TargetFacts, load_tokenizer, reserved_token_ids
+from pipeline.target_model import TargetFacts, load_tokenizer, reserved_token_ids
 
 
 def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps: list[int]) -> DrafterConfig:

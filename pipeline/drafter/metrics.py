@@ -31,7 +31,7 @@ def metric_sums(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: t
 @torch.no_grad()
 def hit_sums(hits_AB3: torch.Tensor, weights_AB: torch.Tensor, blocks_A: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Sums behind every metric, from each slot's (top-1, top-4, top-8) hits (only supervised
-    slots count; pipeline/drafter/loss.py computes hits for those alone)."""
+    slots count; pipeline/training/loss.py computes hits for those alone)."""
     supervised = weights_AB > 0
     real = torch.ones(len(weights_AB), dtype=torch.bool, device=weights_AB.device) if blocks_A is None else blocks_A
     top1, top4, top8 = (hits_AB3[..., i] & supervised for i in range(3))

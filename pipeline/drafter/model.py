@@ -344,7 +344,7 @@ class DFlashDrafter(nn.Module):
                 logits: bool = True) -> torch.Tensor:
         """Logits [B, Q, V] for block tokens, given the tapped hidden states [B, T, n, H]; with
         `logits=False` the final normed states [B, Q, H] the lm_head would take (training computes
-        its loss from those a chunk at a time: pipeline/drafter/loss.py). Attention follows the
+        its loss from those a chunk at a time: pipeline/training/loss.py). Attention follows the
         dense mask `allowed_BQK`, or, given the anchors of equal-size blocks instead, the same rule
         without a dense mask (`self.attention`: flex attention or `split_block_attention`, what
         training uses). Sliding-window layers narrow either by position (module docstring)."""

@@ -13,8 +13,8 @@ from pipeline.errors import PipelineError
 from pipeline.generate.assistant import parse_assistant
 from pipeline.generate.sampling import generate
 from pipeline.generate.turns import Turn, Written
-from pipeline.target import end_of_turn_ids, load_model, read_target_facts
-from pipeline.target.live import LiveTarget
+from pipeline.target_model import end_of_turn_ids, load_model, read_target_facts
+from pipeline.target_model.live import LiveTarget
 
 
 class InProcess:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 
 
 @dataclass

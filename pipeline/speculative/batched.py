@@ -17,7 +17,7 @@ import torch
 
 from pipeline.speculative.decode import Chooser, Decoded, _choose, _finish, _follow, drafting
 from pipeline.speculative.sampling import Sampling
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 from pipeline.speculative.tree import DraftTree, build_tree
 
 

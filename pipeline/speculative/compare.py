@@ -9,7 +9,7 @@ import time
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import Decoded, block_decode, greedy, tree_decode
 from pipeline.speculative.sampling import Sampling
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 
 
 def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], *, max_new: int, eos: set[int],

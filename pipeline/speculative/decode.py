@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.drafter.incremental import DraftContext
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.tree import build_tree
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pipeline.speculative.decode import Decoded
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 
 # Units in the last place of the best logit, in the compute dtype, that two tokens may be apart
 # and still tie: rounding in another reduction order moves a logit by a few (one in the case above;

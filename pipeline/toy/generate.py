@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pipeline.data.loss_mask import generation_prompt, render
 from pipeline.generate.assistant import parse_assistant
 from pipeline.generate.sampling import generate
-from pipeline.target.live import LiveTarget
+from pipeline.target_model.live import LiveTarget
 from pipeline.toy.tasks import Conversation, run_tool
 
 MAX_CHAIN = 3          # answers to one user turn (call, reply, call, ... answer)

@@ -15,7 +15,7 @@ import json
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from pipeline.toy.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, MARKERS, SPECIAL_TOKENS
-from pipeline.target.internals import qwen3_5_pretokenizer
+from pipeline.target_model.internals import qwen3_5_pretokenizer
 
 PRETOKENIZE_REGEX, Qwen3_5Tokenizer = qwen3_5_pretokenizer()
 

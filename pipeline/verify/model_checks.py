@@ -14,14 +14,14 @@ import time
 import numpy as np
 import torch
 
-from pipeline.cache.bounded_reads import shard_tokens, sound_shards
-from pipeline.cache.check_report import Check, SampleList
+from pipeline.verify.bounded_reads import shard_tokens, sound_shards
+from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import HARD_LABEL, SOFT_LABEL, role_names
-from pipeline.target.capture import LogitChunks, logsumexp_, tail_forward
+from pipeline.target_model.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
-from pipeline.provenance import kernel_record
-from pipeline.target.internals import KernelCallCounter
+from pipeline.target_model.kernels import kernel_record
+from pipeline.target_model.internals import KernelCallCounter
 
 # How far a stored prediction may be from the tail recompute, in logits, by hidden format: the
 # stored tap is rounded to bf16 (or fp8), so the recompute starts from a slightly different

@@ -1,6 +1,5 @@
-"""Describing a target for people: its layer pattern in a few words, and one real check that it is
-the model the data came from (teacher-forced on conversations it wrote, it predicts its own
-assistant tokens: agreement near 1.0)."""
+"""One real check that a target is the model the data came from: teacher-forced on conversations it
+wrote, it predicts its own assistant tokens (agreement near 1.0)."""
 
 from __future__ import annotations
 
@@ -30,15 +29,3 @@ def self_agreement(model, tokenizer, rows: list, end_of_turn: str) -> dict:
     seconds = time.perf_counter() - start
     return {"agreement": same / max(total, 1), "supervised_tokens": total, "conversations": len(rows),
             "forward_tokens_per_s": num_tokens / seconds}
-
-
-def layer_pattern(layer_types: list[str]) -> str:
-    """['linear_attention'] * 3 + ['full_attention'] -> 'linear x3, full'."""
-    runs: list[list] = []
-    for kind in layer_types:
-        short = kind.removesuffix("_attention")
-        if runs and runs[-1][0] == short:
-            runs[-1][1] += 1
-        else:
-            runs.append([short, 1])
-    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in runs)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.cache.check_report import Check
+from pipeline.verify.check_report import Check
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import shard_index, shard_name
-from pipeline.data.shard_plan import parse_shards
-from pipeline.target import identity_claims
+from pipeline.cache.shard_plan import parse_shards
+from pipeline.target_model import identity_claims
 
 
 def select_shards(reader: CacheReader, spec: str | None, *, broken: bool = False) -> list[str]:

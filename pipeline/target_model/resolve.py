@@ -8,7 +8,7 @@ from pathlib import Path
 from pipeline.config import EMBEDDED
 from pipeline.embedded import TARGET_DIR
 from pipeline.errors import PipelineError
-from pipeline.target.facts import config_sha256, read_target_facts
+from pipeline.target_model.facts import config_sha256, read_target_facts
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,12 @@ class RecordedTarget:
     path: str | None
     config_sha256: str | None
     source: str  # what recorded it, for messages ("the cache manifest", "RUN/run.json")
+
+
+def recorded_in_cache(manifest) -> RecordedTarget:
+    """The target a cache manifest (pipeline/cache/manifest.py) recorded: its directory and config digest."""
+    return RecordedTarget(path=manifest.sources.target, config_sha256=manifest.identity.target.config_sha256,
+                          source="the cache manifest")
 
 
 def resolve_target(option: str | Path | None, recorded: RecordedTarget | None = None) -> Path:

@@ -12,8 +12,8 @@ from pipeline.config import ExtractConfig
 from pipeline.data.loss_mask import GenerationPrompt
 from pipeline.errors import PipelineError
 from pipeline.provenance import tokenizer_digest, weight_digests
-from pipeline.target import chat_template_sha256
-from pipeline.target.taps import TAP_CONVENTION
+from pipeline.target_model import chat_template_sha256
+from pipeline.target_model.taps import TAP_CONVENTION
 
 
 def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationPrompt, target_dir: Path, taps: list[int], dataset: dict,

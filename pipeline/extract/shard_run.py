@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from pipeline.cache.encoding import encode_rows
-from pipeline.cache.extract_record import cache_dims, chunking
-from pipeline.cache.files import FileLock
+from pipeline.extract.extract_record import cache_dims, chunking
+from pipeline.files import FileLock
 from pipeline.cache.identity import Identity
 from pipeline.cache.manifest import identity_conflicts
 from pipeline.cache.schema import MANIFEST, SCHEMA_VERSION, shard_name
@@ -19,8 +19,9 @@ from pipeline.cache.writer import AlreadyCommitted, BackgroundWriter, ShardWrite
 from pipeline.data.samples import CONTENT_COUNTS, ROW_COUNTS, length_batches, prepare_samples
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
-from pipeline.provenance import environment, kernel_record
-from pipeline.target.internals import KernelCallCounter
+from pipeline.provenance import environment
+from pipeline.target_model.kernels import kernel_record
+from pipeline.target_model.internals import KernelCallCounter
 
 
 class ShardRun:

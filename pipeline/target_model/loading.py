@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.target.facts import TOKENIZER_FILES
+from pipeline.target_model.facts import TOKENIZER_FILES
 
 
 def _quiet_transformers() -> None:
@@ -55,7 +55,7 @@ def load_target_model(target_dir: Path, dtype, device, layout, num_kv_heads: int
     tensor-parallel group of `layout` (pipeline.distributed.Layout) when its tp > 1."""
     kwargs, plan = {}, None
     if layout.tp > 1:
-        from pipeline.target.tensor_parallel import tp_load_kwargs
+        from pipeline.target_model.tensor_parallel import tp_load_kwargs
         kwargs, plan = tp_load_kwargs(layout, num_kv_heads)
     model = load_model(target_dir, dtype=dtype, **kwargs)
     if layout.tp == 1:

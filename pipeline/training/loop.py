@@ -1,7 +1,7 @@
 """The training loop: global batches in the stream's epoch order, one optimizer step each, a log
 line every `log_every` steps (file, trackers, live verdicts), a checkpoint every
 `checkpoint_every` steps and at the end. Resume is exact: it starts from the (step, epoch,
-position) a checkpoint recorded (pipeline/drafter/stream.py makes the order a pure function of
+position) a checkpoint recorded (pipeline/training/stream.py makes the order a pure function of
 the shards, seed and epoch)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.cache.reader import CacheReader
-from pipeline.config import TrainConfig
-from pipeline.drafter.objectives import needs_distribution, parse_loss
-from pipeline.drafter.checkpoint import Position, save_on_all_ranks
-from pipeline.drafter.plan import Plan
-from pipeline.drafter.step import StepRunner
-from pipeline.drafter.stream import SampleStream, StreamState
-from pipeline.drafter.train_log import Interval, append_json, log_record
+from pipeline.config import TrainConfig, parse_loss
+from pipeline.training.objectives import needs_distribution
+from pipeline.training.checkpoint import Position, save_on_all_ranks
+from pipeline.training.plan import Plan
+from pipeline.training.step import StepRunner
+from pipeline.training.stream import SampleStream, StreamState
+from pipeline.training.train_log import Interval, append_json, log_record
 from pipeline.report.live import LiveVerdicts, Verdict
 from pipeline.tracking import Trackers
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.drafter.objectives import dpace_weights, term_rows
+from pipeline.training.objectives import dpace_weights, term_rows
 
 # Rows per chunk: keep one chunk's fp32 logits near this many bytes.
 CHUNK_BYTES = 256 * 2**20

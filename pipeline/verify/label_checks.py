@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.cache.bounded_reads import sample_windows, sound_shards
-from pipeline.cache.check_report import Check, SampleList
+from pipeline.verify.bounded_reads import sample_windows, sound_shards
+from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, role_names
 from pipeline.errors import PipelineError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from pipeline.cache.commit import shard_committed
-from pipeline.cache.files import FileLock
+from pipeline.files import FileLock
 from pipeline.cache.location import Location
 from pipeline.cache.schema import MANIFEST, shard_lock_name, shard_name
 from pipeline.cache.store_probe import PROBE_KEY

@@ -9,7 +9,7 @@ import numpy as np
 from pipeline.cache.reader import open_cache
 from pipeline.data.loss_mask import token_kinds
 from pipeline.errors import PipelineError
-from pipeline.target import load_tokenizer, resolve_target
+from pipeline.target_model import load_tokenizer, recorded_in_cache, resolve_target
 
 
 def show_sample(cache_dir: str | Path, sample_id: int, target: Path | None) -> dict:
@@ -19,7 +19,7 @@ def show_sample(cache_dir: str | Path, sample_id: int, target: Path | None) -> d
     reader = open_cache(cache_dir, foreign="report")  # looking at a sample of a mixed cache is how one inspects it
     shard = reader.find(sample_id)
     try:
-        target_dir = resolve_target(target, reader.manifest.recorded_target())
+        target_dir = resolve_target(target, recorded_in_cache(reader.manifest))
     except PipelineError as e:
         raise PipelineError(f"--show needs the target's tokenizer: {e}") from None
     tokenizer = load_tokenizer(target_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.provenance import weight_digests
-from pipeline.target import RecordedTarget, read_target_facts
+from pipeline.target_model import RecordedTarget, read_target_facts
 
 
 def target_mismatch(target_dir: Path, run: Path) -> str | None:

@@ -9,9 +9,9 @@ from dataclasses import asdict
 
 import numpy as np
 
-from pipeline.cache.check_report import Check
+from pipeline.verify.check_report import Check
 from pipeline.cache.commit import hash_shard, read_digests
-from pipeline.cache.files import digest_of_files
+from pipeline.files import digest_of_files
 from pipeline.cache.identity import shard_field_name
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import DIGESTS, array_specs

@@ -23,7 +23,7 @@ def attention_plan(num_key_value_heads: int, tp: int) -> tuple[dict[str, str], s
 
 
 def tp_load_kwargs(layout: Layout, num_key_value_heads: int) -> tuple[dict, str]:
-    from pipeline.target.internals import distributed_config
+    from pipeline.target_model.internals import distributed_config
 
     overrides, description = attention_plan(num_key_value_heads, layout.tp)
     config = distributed_config(layout.tp, layout.dp, overrides or "auto")

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.target import internals, tree_internals
-from pipeline.target.capture import tapped_layers
+from pipeline.target_model import internals, tree_internals
+from pipeline.target_model.capture import tapped_layers
 
 
 @dataclass
@@ -65,7 +65,7 @@ class LiveTarget:
         return Step(out.logits[0].float(), taps.stacked()[0] if with_hidden else None, out.cache)
 
     def tapped(self, enabled: bool = True):
-        """The tapped layers' outputs during a forward (pipeline/target/capture.py `tapped_layers`)."""
+        """The tapped layers' outputs during a forward (pipeline/target_model/capture.py `tapped_layers`)."""
         return tapped_layers(self.model, self.taps, enabled)
 
     @torch.no_grad()

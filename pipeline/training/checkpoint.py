@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cache.files import describe_os_error, fsync_dir, fsync_tree
+from pipeline.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.cache.manifest import Manifest
 from pipeline.config import TrainConfig
 from pipeline.drafter.export import export_drafter, read_config
-from pipeline.drafter.plan import gathered_state
-from pipeline.drafter.step import all_sum
+from pipeline.training.plan import gathered_state
+from pipeline.training.step import all_sum
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.drafter.step import StepRunner, all_sum
+from pipeline.training.step import StepRunner, all_sum
 
 
 @dataclass

@@ -19,16 +19,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pipeline.cache.extract_record import cache_dims, chunking
+from pipeline.extract.extract_record import cache_dims, chunking
 from pipeline.cache.schema import array_specs, per_shard_files, raw_shard_bytes, token_bytes
 from pipeline.config import ExtractConfig
 from pipeline.data.conversations import resolve_data
 from pipeline.data.loss_mask import ConversationMasker
 from pipeline.data.samples import prepare_samples, scan_dataset
-from pipeline.data.shard_plan import parse_shards, shard_rows
+from pipeline.cache.shard_plan import parse_shards, shard_rows
 from pipeline.errors import PipelineError
-from pipeline.target import load_tokenizer, read_target_facts, resolve_target
-from pipeline.target.taps import taps_for, validate_taps
+from pipeline.target_model import load_tokenizer, read_target_facts, resolve_target
+from pipeline.target_model.taps import taps_for, validate_taps
 
 
 @dataclass

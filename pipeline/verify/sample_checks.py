@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.cache.bounded_reads import shard_tokens, sound_shards
-from pipeline.cache.check_report import Check, SampleList
+from pipeline.verify.bounded_reads import shard_tokens, sound_shards
+from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
 from pipeline.data.conversations import index_rows, iter_rows
 from pipeline.data.loss_mask import ConversationMasker, mask_violations, newline_tokens

@@ -9,8 +9,8 @@ import random
 
 import numpy as np
 
-from pipeline.cache.bounded_reads import sound_shards
-from pipeline.cache.check_report import Check, SampleList
+from pipeline.verify.bounded_reads import sound_shards
+from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.encoding import decode_hidden
 from pipeline.cache.reader import CacheReader, ShardReader
 from pipeline.cache.schema import array_specs

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from pipeline.config import TrainConfig
+from pipeline.config import TrainConfig, parse_loss
 from pipeline.drafter.batch import (
     anchor_generator,
     final_hidden,
@@ -24,8 +24,8 @@ from pipeline.drafter.batch import (
     placeholder,
     prepare,
 )
-from pipeline.drafter.loss import supervised_loss
-from pipeline.drafter.objectives import needs_distribution, parse_loss
+from pipeline.training.loss import supervised_loss
+from pipeline.training.objectives import needs_distribution
 from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted

@@ -28,31 +28,11 @@ sum(loss * w) / sum(m), m the supervised slots (speculators' normaliser).
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-TERMS = ("ce", "kl", "tv", "nla", "lk")
 POSITION_WEIGHTS = ("decay", "dpace")
 NLA_FLOOR = 1e-5
 LK_ETA = 3.0
-
-
-def parse_loss(expression: str) -> dict[str, float]:
-    """{term: coefficient} of `ce`, `lk`, `ce + 0.5*tv`, `0.3*kl+0.7*tv` ...; raises ValueError."""
-    terms: dict[str, float] = {}
-    for part in str(expression).replace(" ", "").split("+"):
-        match = re.fullmatch(r"(?:([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\*)?([a-z]+)", part)
-        if not match or match.group(2) not in TERMS:
-            raise ValueError(f"loss {expression!r}: each term is NAME or COEF*NAME with NAME one of "
-                             f"{', '.join(TERMS)} (e.g. 'ce', 'lk', 'ce + 0.5*tv')")
-        name, coefficient = match.group(2), float(match.group(1) or 1.0)
-        if name in terms:
-            raise ValueError(f"loss {expression!r}: {name} appears twice")
-        if coefficient <= 0:
-            raise ValueError(f"loss {expression!r}: coefficients must be > 0")
-        terms[name] = coefficient
-    return terms
 
 
 def needs_distribution(terms: dict[str, float]) -> bool:
