@@ -375,7 +375,7 @@ def target_info(
     json_out: JsonOpt = False,
 ) -> None:
     """Summarise a target model directory: class, layers, taps, tokenizer, chat template."""
-    from stages.summary import target_summary  # heavy: imports torch; keeps `pipeline --help` fast
+    from stages.target_info import target_summary  # heavy: imports torch; keeps `pipeline --help` fast
 
     build = None
     if path is None:

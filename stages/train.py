@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from manifests import load_preset
 from pipeline.allocator import keep_freed_buffers_mapped
-from pipeline.files import write_json_atomic
+from pipeline.records.run import RunRecord, write_run_record
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
 from pipeline.config import TrainConfig, load_config, read_config_file
@@ -111,17 +111,17 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         out.mkdir(parents=True, exist_ok=True)
         trim_log(out / "train_log.jsonl", at.step)
         trim_log(out / "verdicts.jsonl", at.step)
-        write_json_atomic(out / "run.json", {
-            "config": asdict(cfg), "target": str(target_dir), "target_config_sha256": facts.config_sha256,
-            "target_weights": manifest.identity.target.weights,   # the weights whose predictions the drafter learns
-            "cache": reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
-            "world_size": world, "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
-            "frozen_dtype": dtype_name(frozen_dtype), "loss_path": LOSS_PATH,
-            "attention_path": path,
-            "optimizer": describe_optimizer(world),
-            "plan": asdict(plan), "drafter": asdict(config), "kernels": list(kernel_paths(manifest)),
-            "incomplete_cache": incomplete if incomplete["missing"] else None,
-            "resumed_from_step": at.step})
+        write_run_record(out, RunRecord(
+            config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
+            target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
+            cache=reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
+            world_size=world, device=str(device), autocast=str(autocast_dtype(cfg, device)),
+            frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
+            attention_path=path,
+            optimizer=describe_optimizer(world),
+            plan=asdict(plan), drafter=asdict(config), kernels=list(kernel_paths(manifest)),
+            incomplete_cache=incomplete if incomplete["missing"] else None,
+            resumed_from_step=at.step))
 
     trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))
     if world > 1:

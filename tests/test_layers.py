@@ -90,6 +90,7 @@ FLOORS = [
     ("independent", ["pipeline.config", "pipeline.provenance", "manifests"]),
     ("independent", ["pipeline.tracking"]),
     ("independent", ["pipeline.report"]),
+    ("independent", ["pipeline.records"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
                 "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.schedule", "pipeline.threads",
                 "pipeline.ui", "pipeline"]),

@@ -5,9 +5,10 @@ to the end of training; and several runs compared at common steps."""
 
 from __future__ import annotations
 
-import json
 import math
 
+from pipeline.errors import PipelineError
+from pipeline.records.run import RUN_FILE, read_run_record
 from pipeline.report.logs import CLIFF_FLOOR, DIRECTION, QUALITY, Run
 from pipeline.report.stats import anomalies, cliffs, compare, extrapolate, window
 
@@ -32,11 +33,11 @@ def _checkpoint_steps(run: Run, every: int | None) -> list[float]:
 def _final_step(run: Run, epochs: float | None) -> float:
     if epochs and run.steps_per_epoch:
         return epochs * run.steps_per_epoch
-    config = run.path.parent / "run.json"
-    if config.is_file():
+    recorded = run.path.parent / RUN_FILE
+    if recorded.is_file():
         try:
-            return float(json.loads(config.read_text())["plan"]["total_steps"])
-        except (KeyError, ValueError, json.JSONDecodeError):
+            return float(read_run_record(recorded).total_steps)
+        except (PipelineError, KeyError, TypeError, ValueError):
             pass
     return run.last_step
 

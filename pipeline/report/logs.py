@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.records.run import RUN_FILE, read_run_record
 
 # Metric -> which direction is better (+1 higher, -1 lower, 0 neither).
 DIRECTION = {"loss": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
@@ -84,8 +85,8 @@ def run_finished(log: Path) -> bool:
     """A run is over when its log reached the plan's last step (run.json beside the log)."""
     log = log_path(log)
     try:
-        total = json.loads((log.parent / "run.json").read_text())["plan"]["total_steps"]
+        total = read_run_record(log.parent / RUN_FILE).total_steps
         lines = log.read_text(encoding="utf-8").splitlines()
         return bool(lines) and json.loads(lines[-1]).get("step", 0) >= total
-    except (OSError, KeyError, ValueError, json.JSONDecodeError):
+    except (OSError, PipelineError, KeyError, TypeError, ValueError, json.JSONDecodeError):
         return False

@@ -3,11 +3,11 @@ recorded about the target it was trained against."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.provenance import weight_digests
+from pipeline.records.run import RUN_FILE, read_run_record
 from pipeline.target_model import RecordedTarget, read_target_facts
 
 
@@ -17,13 +17,13 @@ def target_mismatch(target_dir: Path, run: Path) -> str | None:
     recorded neither. Large checkpoints are compared by their safetensors headers and sizes
     (pipeline.provenance.weight_digests), which tell other shapes apart but not other values."""
     try:
-        record = json.loads(run.read_text())
-    except (OSError, json.JSONDecodeError):
+        record = read_run_record(run)
+    except PipelineError:
         return None
     differs = []
-    if record.get("target_config_sha256") and record["target_config_sha256"] != read_target_facts(target_dir).config_sha256:
+    if record.target_config_sha256 and record.target_config_sha256 != read_target_facts(target_dir).config_sha256:
         differs.append("config.json")
-    recorded = record.get("target_weights") or {}
+    recorded = record.target_weights or {}
     if recorded.get("files"):
         found = weight_digests(target_dir)
         if found["method"] != recorded.get("method") or found["files"] != recorded["files"]:
@@ -40,13 +40,9 @@ def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
         path = path / "drafter"
     if not (path / "config.json").is_file():
         raise PipelineError(f"{path}: not a drafter export (no config.json); pass the run directory or its drafter/")
-    run = path.parent / "run.json"
+    run = path.parent / RUN_FILE
     recorded = None
     if run.is_file():
-        try:
-            record = json.loads(run.read_text())
-            recorded = RecordedTarget(path=record["target"], config_sha256=record.get("target_config_sha256"),
-                                      source=str(run))
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
-            raise PipelineError(f"{run}: not a training run record (no 'target')") from None
+        record = read_run_record(run)
+        recorded = RecordedTarget(path=record.target, config_sha256=record.target_config_sha256, source=str(run))
     return path, recorded

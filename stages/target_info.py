@@ -1,4 +1,4 @@
-"""Summary of a target and its conversation data: what `pipeline demo` prints on the embedded default.
+"""`pipeline target-info`: a summary of a target and its conversation data.
 
 Loads the model and tokenizer the way every stage will (transformers, offline), reads its facts
 from config.json, and runs one real check: the target, teacher-forced on held-out conversations
