@@ -12,11 +12,12 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.files import STORAGE_ERRNOS, describe_os_error
-from pipeline.config import ExtractConfig, load_config
+from pipeline.config import ExtractConfig, TrainConfig, int_list, load_config
 from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
 from pipeline.errors import PipelineError
 from pipeline.threads import apply_threads
 from pipeline.ui import ProgressBar, TrainView, error, print_sample, warning
+from pipeline.ui.config_options import config_options
 from pipeline.ui.summaries import (show_cache_info, show_demo, show_demo_step, show_eval, show_extract, show_extract_dry,
                                    show_generate, show_report, show_report_redraw, show_target_info, show_train,
                                    show_verify)
@@ -49,52 +50,42 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="Show full traceba
     _state["threads"] = threads
 
 
-def _user_errors(fn):
-    """Render a PipelineError as one line on stderr and exit 1 (tracebacks only with --debug)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            apply_threads(_state["threads"])
-            return fn(*args, **kwargs)
-        except PipelineError as e:
-            if _state["debug"]:
-                raise
-            error(str(e))
-            raise typer.Exit(1) from None
-        except OSError as e:
-            # A full disk or a quota can strike any write (a log line, a lock file): one line
-            # naming the file, not a traceback. Other OS errors keep theirs: they may be bugs.
-            if _state["debug"] or e.errno not in STORAGE_ERRNOS:
-                raise
-            error(f"{e.filename or 'a write'}: {describe_os_error(e)}")
-            raise typer.Exit(1) from None
-    return wrapper
+def _user_errors(exit_code: int = 1):
+    """Render a PipelineError as one line on stderr and exit `exit_code` (tracebacks only with
+    --debug); verify-cache exits 2 on them, keeping 1 for a check that failed."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                apply_threads(_state["threads"])
+                return fn(*args, **kwargs)
+            except PipelineError as e:
+                if _state["debug"]:
+                    raise
+                error(str(e))
+                raise typer.Exit(exit_code) from None
+            except OSError as e:
+                # A full disk or a quota can strike any write (a log line, a lock file): one line
+                # naming the file, not a traceback. Other OS errors keep theirs: they may be bugs.
+                if _state["debug"] or e.errno not in STORAGE_ERRNOS:
+                    raise
+                error(f"{e.filename or 'a write'}: {describe_os_error(e)}")
+                raise typer.Exit(exit_code) from None
+        return wrapper
+    return decorate
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 
 
 @app.command()
-@_user_errors
+@_user_errors()
+@config_options(ExtractConfig)
 def extract(
+    overrides: dict,
     shards: Annotated[Optional[str], typer.Option(help="Shards this invocation writes, e.g. '0-63' or '3,5,8-11' (default: all).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[extract] table); default ./extract.toml if present, else the embedded default.")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Target model directory (default: the embedded tiny target).")] = None,
-    data: Annotated[Optional[list[str]], typer.Option(help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows. Repeatable.")] = None,
-    cache: Annotated[Optional[str], typer.Option(help="Cache to create or resume: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")] = None,
-    num_shards: Annotated[Optional[int], typer.Option(help="Fixed shard count of the cache (default 64).")] = None,
-    layers: Annotated[Optional[str], typer.Option(help="Comma-separated 0-based decoder-layer taps (default: the target preset's).")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Target top-k ids/logits stored per token (default 32).")] = None,
-    hidden_format: Annotated[Optional[str], typer.Option(help="'bf16' (lossless bit pattern) or 'fp8' (e4m3 + per-token scale).")] = None,
-    max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; longer ones follow --overlong.")] = None,
-    overlong: Annotated[Optional[str], typer.Option(help="'truncate' (default), 'skip' or 'error' on over-long samples ('error' stops at the first one, when its shard is reached).")] = None,
-    on_error: Annotated[Optional[str], typer.Option(help="'fail' (default) or 'skip' malformed rows (counted in the manifest).")] = None,
     thinking: Annotated[Optional[bool], typer.Option("--thinking/--no-thinking", help="Render with the template's thinking mode on or off (chat_template_kwargs.enable_thinking; default: the template's own default).")] = None,
-    reasoning: Annotated[Optional[str], typer.Option(help="Reasoning in the data while thinking is off: 'error' (default: refuse the row), 'drop' it, or 'keep' and supervise it.")] = None,
-    generated_by: Annotated[Optional[str], typer.Option(help="Who wrote the responses (e.g. the target's name), recorded in the manifest for rows that do not say.")] = None,
-    batch_tokens: Annotated[Optional[int], typer.Option(help="Forward batch budget in tokens, padding included.")] = None,
-    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")] = None,
-    shard_locks: Annotated[Optional[bool], typer.Option("--shard-locks/--no-shard-locks", help="In a cache directory, skip shards another process is writing (flock; default on). Off where flock does not work: commits stay safe without it.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the bill instead: rows, tokens, samples per shard, bytes and files, from the data, the target's config and tokenizer (no weights loaded, nothing written).")] = False,
     assume_tokens_per_s: Annotated[Optional[float], typer.Option(help="With --dry-run: extraction rate to turn tokens into time (measure it on a pilot shard).")] = None,
     assume_compression: Annotated[float, typer.Option(help="With --dry-run: stored / raw bytes (default 1.0, an upper bound); `pipeline cache-info` of a pilot shard prints it as stored_vs_raw.")] = 1.0,
@@ -105,11 +96,6 @@ def extract(
 
     if config is None and Path("extract.toml").is_file():
         config = Path("extract.toml")
-    overrides = {"target": target, "data": data, "cache": cache, "num_shards": num_shards, "top_k": top_k,
-                 "layers": _int_list(layers, "--layers"), "hidden_format": hidden_format, "max_length": max_length,
-                 "overlong": overlong, "on_error": on_error, "batch_tokens": batch_tokens, "tp": tp,
-                 "shard_locks": shard_locks}
-    overrides.update({"reasoning": reasoning, "generated_by": generated_by})
     if thinking is not None:
         base = load_config(ExtractConfig, config, {}, section="extract").chat_template_kwargs
         overrides["chat_template_kwargs"] = {**base, "enable_thinking": thinking}
@@ -125,48 +111,13 @@ def extract(
         show_extract(summary, json_out)
 
 
-def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise PipelineError(f"{option}: {text!r} is not a comma-separated list of integers") from None
-
-
 @app.command()
-@_user_errors
+@_user_errors()
+@config_options(TrainConfig)
 def train(
-    cache: Annotated[Optional[str], typer.Option(help="Cache written by `pipeline extract`: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[train] table); options below override it; default ./train.toml if present.")] = None,
-    preset: Annotated[Optional[str], typer.Option(help="Recipe from manifests/presets ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Target directory for the frozen embedding and lm_head (default: the one the cache records).")] = None,
-    out: Annotated[Optional[str], typer.Option(help="Run directory: checkpoints/, train_log.jsonl, drafter/ (default ./dflash-run).")] = None,
+    overrides: dict,
+    config: Annotated[Optional[Path], typer.Option(help="TOML config (\\[train] table), overridden by the options given here; default ./train.toml if present.")] = None,
     resume: Annotated[bool, typer.Option(help="Resume from the last complete checkpoint in --out.")] = True,
-    max_steps: Annotated[Optional[int], typer.Option(help="Stop after this many optimizer steps (default: num_epochs of the cache).")] = None,
-    num_epochs: Annotated[Optional[int], typer.Option(help="Epochs over the cache.")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")] = None,
-    batch_sequences: Annotated[Optional[int], typer.Option(help="Sequences per optimizer step, all ranks together.")] = None,
-    micro_batch_sequences: Annotated[Optional[int], typer.Option(help="Sequences per forward on one rank (gradient accumulation).")] = None,
-    num_anchors: Annotated[Optional[int], typer.Option(help="Anchors per sequence, resampled every epoch.")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="Draft block size B.")] = None,
-    num_hidden_layers: Annotated[Optional[int], typer.Option(help="Drafter decoder layers.")] = None,
-    loss: Annotated[Optional[str], typer.Option(help="The objective, a weighted sum of terms: 'ce' (hard, the target's argmax; default), 'kl', 'tv', 'nla', 'lk' (over the stored top-k), e.g. 'ce + 0.5*tv'. README: Objectives.")] = None,
-    position_weight: Annotated[Optional[str], typer.Option(help="Slot weights: 'decay' (exp(-(k-1)/gamma); default) or 'dpace' (each slot's expected-acceptance gain, from the drafter's own confidence).")] = None,
-    dpace_alpha: Annotated[Optional[float], typer.Option(help="D-PACE smoothing a in (0, 1] (default 0.5).")] = None,
-    noise_std: Annotated[Optional[float], typer.Option(help="Gaussian noise on the input context features (0: off).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="'auto' (bf16 autocast where supported), 'float32' or 'bfloat16'.")] = None,
-    attention: Annotated[Optional[str], typer.Option(help="Training attention: 'auto' (flex on CUDA, else split), 'flex' (BlockMask; CUDA) or 'split' (context + in-block parts).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for init, data order, anchors and noise.")] = None,
-    log_every: Annotated[Optional[int], typer.Option(help="Steps between train_log.jsonl lines.")] = None,
-    checkpoint_every: Annotated[Optional[int], typer.Option(help="Steps between training checkpoints.")] = None,
-    allow_mixed_provenance: Annotated[Optional[bool], typer.Option("--allow-mixed-provenance", help="Train on shards computed by different linear-attention kernels (warns).")] = None,
-    allow_incomplete_cache: Annotated[Optional[bool], typer.Option("--allow-incomplete-cache", help="Train on a cache whose shards are not all committed (warns; recorded in run.json).")] = None,
-    cache_local: Annotated[Optional[str], typer.Option(help="For an s3:// cache: copy each file to this local directory on first read, so later epochs read the copies.")] = None,
-    cache_local_size: Annotated[Optional[str], typer.Option(help="Most bytes kept under --cache-local, e.g. 500G (least recently used copies deleted; default 100G).")] = None,
-    mask_token: Annotated[Optional[str], typer.Option(help="The drafter's mask token: an integer id or a token of the target's tokenizer, reserved and never in the data (default: the preset's; '<|MASK|>' for the embedded target, 248070 for Qwen3.6).")] = None,
-    report_to: Annotated[Optional[str], typer.Option(help="Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio (each an optional extra; default none). README: Watching a run.")] = None,
-    verdict_every: Annotated[Optional[int], typer.Option(help="Log lines between live verdict checks (loss flat, plateau, spikes, known bug signatures; default 5).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DFlash drafter from a cache alone (torchrun for data parallel)."""
@@ -175,16 +126,6 @@ def train(
 
     if config is None and Path("train.toml").is_file():
         config = Path("train.toml")
-    overrides = {"cache": cache, "preset": preset, "target": target, "out": out, "max_steps": max_steps,
-                 "num_epochs": num_epochs, "lr": lr, "batch_sequences": batch_sequences,
-                 "micro_batch_sequences": micro_batch_sequences, "num_anchors": num_anchors, "block_size": block_size,
-                 "num_hidden_layers": num_hidden_layers, "loss": loss, "position_weight": position_weight,
-                 "dpace_alpha": dpace_alpha, "noise_std": noise_std, "dtype": dtype,
-                 "attention": attention, "seed": seed, "log_every": log_every, "checkpoint_every": checkpoint_every,
-                 "allow_mixed_provenance": allow_mixed_provenance, "allow_incomplete_cache": allow_incomplete_cache,
-                 "cache_local": cache_local, "cache_local_size": cache_local_size, "report_to": report_to,
-                 "verdict_every": verdict_every,
-                 "mask_token": int(mask_token) if mask_token is not None and mask_token.strip().isdigit() else mask_token}
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = launched_rank() == 0
     summary = run_train(cfg, preset_target=preset_target, resume=resume, view=TrainView(rank0 and not json_out),
@@ -195,7 +136,7 @@ def train(
 
 
 @app.command()
-@_user_errors
+@_user_errors()
 def generate(
     data: Annotated[list[str], typer.Option(help="Conversations to regenerate (JSONL/Parquet, `messages` or `conversations`, or embedded:train / embedded:heldout). Repeatable.")],
     out: Annotated[Path, typer.Option(help="Output JSONL (messages format, reasoning and tool calls as fields); work in progress lives in OUT.parts/ until every shard is done.")],
@@ -230,7 +171,7 @@ def generate(
 
 
 @app.command("eval")
-@_user_errors
+@_user_errors()
 def eval_(
     drafter: Annotated[Path, typer.Option(help="Drafter export (RUN/drafter) or its run directory.")] = Path("dflash-run"),
     target: Annotated[Optional[Path], typer.Option(help="Target model directory (default: the one the run trained against, else the embedded target).")] = None,
@@ -258,7 +199,7 @@ def eval_(
     --temperature, speculative sampling against plain sampling."""
     from stages.eval import run_eval  # heavy: imports torch; keeps `pipeline --help` fast
 
-    budgets = _int_list(tree_budget, "--tree-budget") or []
+    budgets = int_list(tree_budget, "--tree-budget")
     with ProgressBar("eval", "prompts", total=0, enabled=not json_out) as bar:
         result = run_eval(drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
@@ -271,7 +212,7 @@ def eval_(
 
 
 @app.command()
-@_user_errors
+@_user_errors()
 def report(
     logs: Annotated[list[Path], typer.Argument(help="train_log.jsonl files or run directories; several are compared.")],
     window: Annotated[Optional[int], typer.Option(help="Entries per rolling window (default: 200, at most an eighth of the shortest log).")] = None,
@@ -299,6 +240,7 @@ def report(
 
 
 @app.command("verify-cache")
+@_user_errors(exit_code=2)
 def verify_cache(
     cache: Annotated[str, typer.Argument(help="Cache to verify: a directory, file://PATH or s3://BUCKET/PREFIX.")],
     shards: Annotated[Optional[str], typer.Option(help="Only these shards, e.g. '0-7'.")] = None,
@@ -317,27 +259,19 @@ def verify_cache(
     from pipeline.verify.sample_view import show_sample  # heavy: imports torch; keeps `pipeline --help` fast
     from stages.verify import run_verify  # heavy: imports torch; keeps `pipeline --help` fast
 
-    try:
-        apply_threads(_state["threads"])
-        shown = show_sample(cache, show, target) if show is not None else None
-        if shown is not None and not json_out:
-            print_sample(shown)
-        result = run_verify(cache, shards=shards, target=target, recompute=recompute, tail_rate=tail_rate,
-                            sample_rate=sample_rate, seed=seed, device=device, dtype=dtype,
-                            progress=not json_out)
-        if shown is not None:
-            result["sample"] = shown
-    except PipelineError as e:
-        if _state["debug"]:
-            raise
-        error(str(e))
-        raise typer.Exit(2) from None
+    shown = show_sample(cache, show, target) if show is not None else None
+    if shown is not None and not json_out:
+        print_sample(shown)
+    result = run_verify(cache, shards=shards, target=target, recompute=recompute, tail_rate=tail_rate,
+                        sample_rate=sample_rate, seed=seed, device=device, dtype=dtype, progress=not json_out)
+    if shown is not None:
+        result["sample"] = shown
     show_verify(result, json_out)
     raise typer.Exit(0 if result["passed"] else 1)
 
 
 @app.command()
-@_user_errors
+@_user_errors()
 def demo(
     out: Annotated[Path, typer.Option(help="Folder for everything the demo writes.")] = Path("dflash-demo"),
     quick: Annotated[bool, typer.Option(help="A one-minute version (fewer conversations, steps and prompts).")] = False,
@@ -355,7 +289,7 @@ def demo(
 
 
 @app.command("cache-info")
-@_user_errors
+@_user_errors()
 def cache_info(
     cache: Annotated[str, typer.Argument(help="Cache: a directory, file://PATH or s3://BUCKET/PREFIX.")],
     json_out: JsonOpt = False,
@@ -368,7 +302,7 @@ def cache_info(
 
 
 @app.command("target-info")
-@_user_errors
+@_user_errors()
 def target_info(
     path: Annotated[Optional[Path], typer.Argument(help="Target model directory (default: the embedded tiny target).")] = None,
     data: Annotated[Optional[Path], typer.Option(help="JSONL conversations the target generated, for a self-agreement check.")] = None,

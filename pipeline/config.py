@@ -18,32 +18,64 @@ from pipeline.errors import PipelineError
 EMBEDDED = "embedded"
 
 
+def option(default=dataclasses.MISSING, *, help: str, factory=None, parse=None):
+    """A config field that is also the command-line option `--NAME` (hyphens for underscores),
+    with this help text: cli.py derives the option from the field, so a new option is one field
+    here. The option's type is the field's (str, int, float, bool: a `--NAME` flag when the
+    default is False, else `--NAME/--no-NAME`; list[str]: repeatable); `parse(text, flag)` turns
+    the option's text into the value where the field is anything else."""
+    metadata = {"help": help, "parse": parse}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """'1,3,5' -> [1, 3, 5]."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PipelineError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+
+
+def text_list(text: str, flag: str) -> list[str]:
+    """'tensorboard, mlflow' -> ['tensorboard', 'mlflow']."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def token_or_id(text: str, flag: str) -> str | int:
+    """'248070' -> 248070 (a token id); anything else stays a token string."""
+    return int(text) if text.strip().isdigit() else text
+
+
 @dataclass(kw_only=True)
 class ExtractConfig:
-    target: str = EMBEDDED                        # model directory, or "embedded"
-    data: list[str] = field(default_factory=lambda: ["embedded:train"])
-    cache: str = "dflash-cache"
-    num_shards: int = 64
-    layers: list[int] | None = None               # None: the preset's taps (tiny) or default_taps(L, 5)
-    top_k: int = 32
-    hidden_format: str = "bf16"                   # "bf16" | "fp8"
-    max_length: int = 4096
-    overlong: str = "truncate"                    # "truncate" | "skip" | "error"
-    on_error: str = "fail"                        # "fail" | "skip"
+    target: str = option(EMBEDDED, help="Target model directory (default: the embedded tiny target).")
+    data: list[str] = option(factory=lambda: ["embedded:train"], help="Conversations: JSONL/Parquet with `messages` or `conversations`, or pre-tokenized rows. Repeatable.")
+    cache: str = option("dflash-cache", help="Cache to create or resume: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")
+    num_shards: int = option(64, help="Fixed shard count of the cache (default 64).")
+    # None: the preset's taps (tiny) or default_taps(L, 5).
+    layers: list[int] | None = option(None, parse=int_list, help="Comma-separated 0-based decoder-layer taps (default: the target preset's).")
+    top_k: int = option(32, help="Target top-k ids/logits stored per token (default 32).")
+    hidden_format: str = option("bf16", help="'bf16' (lossless bit pattern) or 'fp8' (e4m3 + per-token scale).")
+    max_length: int = option(4096, help="Longest sample in tokens; longer ones follow --overlong.")
+    overlong: str = option("truncate", help="'truncate' (default), 'skip' or 'error' on over-long samples ('error' stops at the first one, when its shard is reached).")
+    on_error: str = option("fail", help="'fail' (default) or 'skip' malformed rows (counted in the manifest).")
     end_of_turn: str = "<|im_end|>"
     chat_template_kwargs: dict = field(default_factory=dict)   # e.g. {enable_thinking = false}
     # Reasoning in the data while thinking is off (DESIGN 3.5): "error" refuses the row, "drop"
     # removes the reasoning before rendering, "keep" renders and supervises it as the data has it.
-    reasoning: str = "error"
-    generated_by: str | None = None               # who wrote the responses, when rows do not say (DESIGN 3.7)
+    reasoning: str = option("error", help="Reasoning in the data while thinking is off: 'error' (default: refuse the row), 'drop' it, or 'keep' and supervise it.")
+    # DESIGN 3.7.
+    generated_by: str | None = option(None, help="Who wrote the responses (e.g. the target's name), recorded in the manifest for rows that do not say.")
     compute_dtype: str = "auto"                   # "auto" (bf16 on GPU, fp32 on CPU) | "float32" | "bfloat16"
-    batch_tokens: int = 8192                      # forward batch budget, padding included
+    batch_tokens: int = option(8192, help="Forward batch budget in tokens, padding included.")
     zstd_level: int = 3
     # Overrides of the cache's file layout (pipeline/cache/schema.py Chunking: hidden_chunk_bytes,
     # hidden_chunks_per_file, small_chunk_tokens, small_chunks_per_file); the defaults fit the
     # flagship width. Recorded in the manifest.
     chunking: dict = field(default_factory=dict)
-    tp: int = 1
+    tp: int = option(1, help="Tensor-parallel size under torchrun; world_size / tp data-parallel groups.")
     # Batches queued for the background writer. None = auto: 4 when the target runs on a GPU;
     # 0 (write inline) on CPU, where a concurrent writer thread slows the multi-threaded forward
     # by more than the writing costs (BENCHMARKS.md: 0.75 vs 0.95 of bare forward throughput).
@@ -51,7 +83,7 @@ class ExtractConfig:
     # In a cache directory, a second process skips a shard another one is writing (flock on
     # .shard-NNNNN.lock). Correctness never depends on it (DESIGN 11: commit records); turn it
     # off where flock hangs or is not supported. An object store has no locks.
-    shard_locks: bool = True
+    shard_locks: bool = option(True, help="In a cache directory, skip shards another process is writing (flock; default on). Off where flock does not work: commits stay safe without it.")
 
     def __post_init__(self):
         checks = [
@@ -127,15 +159,18 @@ def parse_size(text) -> int | None:
 class TrainConfig:
     """Drafter training. Defaults are DESIGN's (block 16, 512 anchors, gamma by block size); a
     preset (`manifests/presets/NAME.toml`, [drafter] table) supplies a whole recipe."""
-    cache: str = "dflash-cache"
-    out: str = "dflash-run"
-    target: str | None = None                # None: the target the cache manifest records
-    preset: str | None = None                # None: the preset whose [target] matches the cache, if any
+    cache: str = option("dflash-cache", help="Cache written by `pipeline extract`: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")
+    out: str = option("dflash-run", help="Run directory: checkpoints/, train_log.jsonl, drafter/ (default ./dflash-run).")
+    # None: the target the cache manifest records.
+    target: str | None = option(None, help="Target directory for the frozen embedding and lm_head (default: the one the cache records).")
+    # None: the preset whose [target] matches the cache, if any.
+    preset: str | None = option(None, help="Recipe from manifests/presets ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")
     # Drafter architecture.
-    num_hidden_layers: int = 5
-    block_size: int = 16
+    num_hidden_layers: int = option(5, help="Drafter decoder layers.")
+    block_size: int = option(16, help="Draft block size B.")
     target_layer_ids: list[int] | None = None   # None: the cache's; set: must equal the cache's
-    mask_token: str | int = "<|MASK|>"        # a token id, or a token string looked up in the target's tokenizer
+    # A token id, or a token string looked up in the target's tokenizer.
+    mask_token: str | int = option("<|MASK|>", parse=token_or_id, help="The drafter's mask token: an integer id or a token of the target's tokenizer, reserved and never in the data (default: the preset's; '<|MASK|>' for the embedded target, 248070 for Qwen3.6).")
     # The drafter's own attention and MLP geometry; None: the target's (DESIGN 2: the reference
     # drafter of a target may differ from it, as Qwen3.6-27B's does).
     num_attention_heads: int | None = None
@@ -149,50 +184,51 @@ class TrainConfig:
     # causally inside the block (the serving engines' rule: pipeline/drafter/model.py).
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    attention: str = "auto"                  # training's attention: "auto" (flex on CUDA, else split) | "flex" | "split"
+    attention: str = option("auto", help="Training attention: 'auto' (flex on CUDA, else split), 'flex' (BlockMask; CUDA) or 'split' (context + in-block parts).")
     # Data.
-    num_anchors: int = 512
+    num_anchors: int = option(512, help="Anchors per sequence, resampled every epoch.")
     max_length: int = 3072
     # Loss (DESIGN 3.4, 3.6).
     # A weighted sum of terms (pipeline/training/objectives.py): "ce" (hard, default), "kl", "tv",
     # "nla", "lk" (over the stored top-k), e.g. "ce + 0.5*tv"; each term is logged as loss_<term>.
-    loss: str = "ce"
-    position_weight: str = "decay"          # slot weights: "decay" (exp(-(k-1)/gamma)) | "dpace" (expected-acceptance gain)
-    dpace_alpha: float = 0.5                 # D-PACE smoothing: s_k = (1 - a) q_k + a, 0 < a <= 1
+    loss: str = option("ce", help="The objective, a weighted sum of terms: 'ce' (hard, the target's argmax; default), 'kl', 'tv', 'nla', 'lk' (over the stored top-k), e.g. 'ce + 0.5*tv'. README: Objectives.")
+    position_weight: str = option("decay", help="Slot weights: 'decay' (exp(-(k-1)/gamma); default) or 'dpace' (each slot's expected-acceptance gain, from the drafter's own confidence).")
+    # D-PACE smoothing: s_k = (1 - a) q_k + a, 0 < a <= 1.
+    dpace_alpha: float = option(0.5, help="D-PACE smoothing a in (0, 1] (default 0.5).")
     gamma: float | None = None               # None: 7 for B=16, 5 for B=10, 4 for B=8
-    noise_std: float = 0.0                   # on input context features only
+    noise_std: float = option(0.0, help="Gaussian noise on the input context features (0: off).")
     noise_schedule: str = "constant"         # "constant" | "linear" (to 0 at the last step)
     # Optimisation.
-    lr: float = 6e-4
+    lr: float = option(6e-4, help="Peak learning rate (AdamW, warmup + cosine).")
     min_lr_ratio: float = 0.0
     warmup_ratio: float = 0.04
     warmup_steps: int | None = None          # overrides warmup_ratio
-    num_epochs: int = 6
-    max_steps: int | None = None
-    batch_sequences: int = 16                # sequences per optimizer step, all ranks together
-    micro_batch_sequences: int = 1           # sequences per forward on one rank (accumulated)
+    num_epochs: int = option(6, help="Epochs over the cache.")
+    max_steps: int | None = option(None, help="Stop after this many optimizer steps (default: num_epochs of the cache).")
+    batch_sequences: int = option(16, help="Sequences per optimizer step, all ranks together.")
+    micro_batch_sequences: int = option(1, help="Sequences per forward on one rank (gradient accumulation).")
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    dtype: str = "auto"                      # "auto" (bf16 autocast where supported) | "float32" | "bfloat16"
-    seed: int = 0
+    dtype: str = option("auto", help="'auto' (bf16 autocast where supported), 'float32' or 'bfloat16'.")
+    seed: int = option(0, help="Seed for init, data order, anchors and noise.")
     # Bookkeeping.
-    log_every: int = 10
-    checkpoint_every: int = 500
+    log_every: int = option(10, help="Steps between train_log.jsonl lines.")
+    checkpoint_every: int = option(500, help="Steps between training checkpoints.")
     keep_checkpoints: int = 2
     mix_shards: int = 16                     # shards whose samples are shuffled together (each global batch mixes them)
     prefetch: int = 16                       # decoded samples read ahead per rank
     loader_workers: int = 0                  # loader processes per rank; 0: a thread in the training process (measured faster on CPU, BENCHMARKS.md)
-    allow_mixed_provenance: bool = False
-    allow_incomplete_cache: bool = False     # train on a cache whose shards are not all committed (warns, recorded)
+    allow_mixed_provenance: bool = option(False, help="Train on shards computed by different linear-attention kernels (warns).")
+    allow_incomplete_cache: bool = option(False, help="Train on a cache whose shards are not all committed (warns; recorded in run.json).")
     # A remote (s3://) cache's files copied to local disk on first read, least recently used
     # deleted past the size (bytes, or with a K/M/G/T suffix): later epochs read the copies.
-    cache_local: str | None = None
-    cache_local_size: str = "100G"
+    cache_local: str | None = option(None, help="For an s3:// cache: copy each file to this local directory on first read, so later epochs read the copies.")
+    cache_local_size: str = option("100G", help="Most bytes kept under --cache-local, e.g. 500G (least recently used copies deleted; default 100G).")
     # Watching the run: experiment trackers (any of tensorboard, wandb, mlflow, trackio; rank 0
     # reports) and the live verdicts (pipeline/report/live.py), checked every `verdict_every` log lines.
-    report_to: list[str] = field(default_factory=list)
-    verdict_every: int = 5
+    report_to: list[str] = option(factory=list, parse=text_list, help="Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio (each an optional extra; default none). README: Watching a run.")
+    verdict_every: int = option(5, help="Log lines between live verdict checks (loss flat, plateau, spikes, known bug signatures; default 5).")
 
     def __post_init__(self):
         from pipeline.tracking import parse_report_to

@@ -1,0 +1,120 @@
+"""Options declared once: each `option(...)` field of a config dataclass is its command's `--NAME`
+(pipeline/ui/config_options.py). Checked against flag lists written out by hand (the options the
+commands had when each one was spelled in cli.py) and on a small command built here."""
+
+import dataclasses
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cli import app
+from pipeline.config import ExtractConfig, TrainConfig, int_list, option, token_or_id
+from pipeline.ui.config_options import config_options
+
+runner = CliRunner()
+
+# Written out by hand: every option `train` and `extract` took before they were derived.
+TRAIN_FLAGS = ["--cache", "--preset", "--target", "--out", "--max-steps", "--num-epochs", "--lr", "--batch-sequences",
+               "--micro-batch-sequences", "--num-anchors", "--block-size", "--num-hidden-layers", "--loss",
+               "--position-weight", "--dpace-alpha", "--noise-std", "--dtype", "--attention", "--seed", "--log-every",
+               "--checkpoint-every", "--allow-mixed-provenance", "--allow-incomplete-cache", "--cache-local",
+               "--cache-local-size", "--mask-token", "--report-to", "--verdict-every"]
+EXTRACT_FLAGS = ["--target", "--data", "--cache", "--num-shards", "--layers", "--top-k", "--hidden-format",
+                 "--max-length", "--overlong", "--on-error", "--reasoning", "--generated-by", "--batch-tokens", "--tp",
+                 "--shard-locks", "--no-shard-locks"]
+
+
+def declared_flags(command: str) -> set[str]:
+    """The flags click knows for a command of the real app."""
+    group = typer.main.get_command(app)
+    return {flag for param in group.commands[command].params for flag in param.opts + param.secondary_opts}
+
+
+@pytest.mark.parametrize("command, flags", [("train", TRAIN_FLAGS), ("extract", EXTRACT_FLAGS)])
+def test_every_config_option_is_a_flag_with_help(command, flags):
+    known = declared_flags(command)
+    assert set(flags) <= known, sorted(set(flags) - known)
+    assert "--no-allow-mixed-provenance" not in known  # a False-by-default switch is one flag
+    group = typer.main.get_command(app)
+    for param in group.commands[command].params:
+        assert param.help, f"{command} {param.opts} has no help"
+
+
+def test_only_declared_fields_are_options():
+    """Fields without option(...) stay TOML-only (the chunking table, the writer queue, gamma...)."""
+    assert {"--chunking", "--writer-queue", "--zstd-level"}.isdisjoint(declared_flags("extract"))
+    assert {"--gamma", "--betas", "--target-layer-ids", "--prefetch"}.isdisjoint(declared_flags("train"))
+    for cls in (ExtractConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                assert f.metadata["help"].strip(), f.name
+
+
+@dataclasses.dataclass(kw_only=True)
+class Toy:
+    count: int = option(3, help="A count.")
+    ratio: float = option(0.5, help="A ratio.")
+    name: str | None = option(None, help="A name.")
+    items: list[str] = option(factory=list, help="Repeatable.")
+    ids: list[int] | None = option(None, parse=int_list, help="Comma-separated ids.")
+    token: str | int = option("<m>", parse=token_or_id, help="A token or its id.")
+    strict: bool = option(False, help="A switch, off by default.")
+    locks: bool = option(True, help="A switch, on by default.")
+    hidden: int = 7                                       # no option(...): TOML only
+
+
+def toy_app(seen: list):
+    toy = typer.Typer()
+
+    @toy.command()
+    @config_options(Toy)
+    def run(overrides: dict, loud: bool = typer.Option(False, "--loud", help="The command's own.")) -> None:
+        seen.append((overrides, loud))
+
+    @toy.command()
+    def other() -> None:  # a second command keeps typer from folding `run` into the app itself
+        pass
+    return toy
+
+
+def test_given_options_arrive_parsed_and_the_rest_as_none():
+    seen = []
+    args = ["run", "--count", "4", "--items", "a", "--items", "b", "--ids", "1, 3,5", "--token", "248070",
+            "--strict", "--no-locks", "--loud"]
+    result = runner.invoke(toy_app(seen), args)
+    assert result.exit_code == 0, result.output
+    assert seen == [({"count": 4, "ratio": None, "name": None, "items": ["a", "b"], "ids": [1, 3, 5], "token": 248070,
+                      "strict": True, "locks": False}, True)]
+    seen.clear()
+    assert runner.invoke(toy_app(seen), ["run", "--token", "<|MASK|>", "--ratio", "0.25"]).exit_code == 0
+    assert seen == [({"count": None, "ratio": 0.25, "name": None, "items": None, "ids": None, "token": "<|MASK|>",
+                      "strict": None, "locks": None}, False)]
+
+
+def test_flags_follow_the_field_and_undeclared_fields_are_not_options():
+    seen = []
+    result = runner.invoke(toy_app(seen), ["run", "--hidden", "3"])
+    assert result.exit_code == 2 and "No such option: --hidden" in result.output
+    assert runner.invoke(toy_app(seen), ["run", "--no-strict"]).exit_code == 2      # no off-switch for False
+    assert runner.invoke(toy_app(seen), ["run", "--count", "x"]).exit_code == 2     # typer checks the type
+    help_text = runner.invoke(toy_app(seen), ["run", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}).output
+    for flag, text in [("--count", "A count."), ("--ids", "Comma-separated ids."), ("--locks", "A switch, on by default.")]:
+        assert flag in help_text and text in help_text
+
+
+def test_an_option_the_cli_cannot_type_is_refused_when_declared():
+    @dataclasses.dataclass(kw_only=True)
+    class Bad:
+        table: dict = option(factory=dict, help="A table.")
+
+    with pytest.raises(TypeError, match="Bad.table"):
+        config_options(Bad)(lambda overrides: None)
+
+
+def test_a_bad_option_value_is_one_line_naming_the_flag(tmp_path):
+    result = runner.invoke(app, ["extract", "--cache", str(tmp_path / "c"), "--layers", "1,x"],
+                           env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: --layers: '1,x' is not a comma-separated list of integers"
+    assert not (tmp_path / "c").exists()
