@@ -26,6 +26,7 @@ from manifests import load_preset  # noqa: E402
 from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.training.stream import EpochOrder  # noqa: E402
+from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
 
 
 def distinct_per_batch(sizes: dict[str, int], batch: int, mix: int) -> list[int]:
@@ -52,8 +53,8 @@ def curve(steps=(100, 300, 750)) -> dict:
             cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(run), "max_steps": max(steps),
                                                        "log_every": 50, "mix_shards": mix})
             run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
-            log = {row["step"]: row for row in map(json.loads, (run / "train_log.jsonl").read_text().splitlines())}
-            out[f"mix_shards={mix}"] = {s: {"accuracy": round(log[s]["accuracy"], 4), "avg_streak": round(log[s]["avg_streak"], 3)}
+            log = {line.step: line for line in read_train_log(run / LOG_FILE)}
+            out[f"mix_shards={mix}"] = {s: {"accuracy": round(log[s].accuracy, 4), "avg_streak": round(log[s].avg_streak, 3)}
                                         for s in steps}
     return out
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "tests"))
 
 from benchmarks.cli_args import at_least_one  # noqa: E402
+from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
 
 ALL = "tensorboard,wandb,mlflow,trackio"
 
@@ -42,7 +43,7 @@ def one_run(cache: Path, out: Path, *, steps: int, log_every: int, report_to: st
     t0 = time.perf_counter()
     run_train(cfg, preset_target=preset, warn=lambda *_: None)
     total = time.perf_counter() - t0
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    log = [line.to_json() for line in read_train_log(out / LOG_FILE)]
     first, last = log[0], log[-1]
     # Each step trains the same tokens in both arms (same data, seed and anchors), so the ratio of
     # steps/s is the ratio of tokens/s.
@@ -102,7 +103,7 @@ def main() -> None:
                            "with_steps_per_s": with_all["steps_per_s"],
                            "ratio": with_all["steps_per_s"] / without["steps_per_s"],
                            "with_wall_s": with_all["wall_s"], "without_wall_s": without["wall_s"]})
-        costs = per_log_cost(root, json.loads((root / "tracked-0" / "train_log.jsonl").read_text().splitlines()[-1]))
+        costs = per_log_cost(root, read_train_log(root / "tracked-0" / LOG_FILE)[-1].to_json())
     ratio = statistics.median(x["with_steps_per_s"] for x in rounds) / statistics.median(x["without_steps_per_s"] for x in rounds)
     result = {"steps": args.steps, "log_every": args.log_every, "trackers": ALL, "rounds": rounds,
               "ratio_of_medians": ratio, "per_log_line": costs}

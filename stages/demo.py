@@ -16,6 +16,7 @@ from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import default_gamma
 from pipeline.embedded import TRAIN_DATA
+from pipeline.records.train_log import LOG_FILE
 from pipeline.ui import ProgressBar, TrainView
 # `pipeline demo` composes the other stages through their entry points (the one stage that may).
 from stages.eval import run_eval
@@ -90,7 +91,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
         "verify": {"passed": verified["passed"], "failed_checks": failed},
         "train": {"steps": trained["steps"], "block_size": cfg.block_size, **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
                                                                            "ddtree_streak8")},
-                  "drafter": trained["drafter"], "log": str(out / "run" / "train_log.jsonl")},
+                  "drafter": trained["drafter"], "log": str(out / "run" / LOG_FILE)},
         "eval": {"prompts": evaluated["prompts"], "lossless": evaluated["lossless"],
                  "block_tau_mean_of_means": evaluated["block"]["tau_mean_of_means"],
                  "block_tau_pooled": evaluated["block"]["tau_pooled"],

@@ -29,7 +29,7 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
     if not logs:
         raise PipelineError("give at least one train_log.jsonl")
     decoded = read_eval(Path(eval_file)) if eval_file is not None else None
-    runs = [read_run(Path(p) / "train_log.jsonl" if Path(p).is_dir() else Path(p), steps_per_epoch) for p in logs]
+    runs = [read_run(log_path(p), steps_per_epoch) for p in logs]
     names = [r.name for r in runs]
     for i, r in enumerate(runs):
         if names.count(r.name) > 1:

@@ -24,27 +24,27 @@ import torch.distributed as dist
 
 from manifests import load_preset
 from pipeline.allocator import keep_freed_buffers_mapped
-from pipeline.records.run import RunRecord, write_run_record
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
 from pipeline.drafter.blocks import default_gamma
-from pipeline.training.checkpoint import cache_identity, resume_position
 from pipeline.drafter.compat import check_compatible, kernel_paths, match_preset
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.geometry import check_mask_absent, drafter_config
-from pipeline.training.loop import train_loop
-from pipeline.training.loss import LOSS_PATH
 from pipeline.drafter.model import DFlashDrafter, attention_path
-from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
-from pipeline.training.step import StepRunner, autocast_dtype
-from pipeline.training.train_log import read_log, trim_log
 from pipeline.errors import PipelineError
+from pipeline.records.run import RunRecord, write_run_record
+from pipeline.records.train_log import LOG_FILE, read_train_log, trim_to_step
 from pipeline.report.live import LiveVerdicts
 from pipeline.target_model import frozen_target_modules, identity_claims, read_target_facts, recorded_in_cache, resolve_target
 from pipeline.tracking import Trackers, open_trackers, tracker_class
+from pipeline.training.checkpoint import cache_identity, resume_position
+from pipeline.training.loop import train_loop
+from pipeline.training.loss import LOSS_PATH
+from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
+from pipeline.training.step import StepRunner, autocast_dtype
 
 
 def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dict | None]:
@@ -109,8 +109,8 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     start_step = at.step
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        trim_log(out / "train_log.jsonl", at.step)
-        trim_log(out / "verdicts.jsonl", at.step)
+        trim_to_step(out / LOG_FILE, at.step)
+        trim_to_step(out / "verdicts.jsonl", at.step)
         write_run_record(out, RunRecord(
             config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
             target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
@@ -135,13 +135,13 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     trackers = Trackers([])
     log_file = None
     if rank == 0:
-        for record in read_log(out / "train_log.jsonl"):  # a resumed run: the causes that fired before stay fired
-            verdicts.observe(record)
+        for line in read_train_log(out / LOG_FILE):  # a resumed run: the causes that fired before stay fired
+            verdicts.observe(line)
         if cfg.report_to:
             trackers = open_trackers(cfg.report_to, run_dir=out, run_name=out.resolve().name, start_step=at.step,
                                      params={"config": asdict(cfg), "cache": identity, "plan": asdict(plan),
                                              "drafter": asdict(config), "world_size": world}, warn=warn)
-        log_file = open(out / "train_log.jsonl", "a", encoding="utf-8")
+        log_file = open(out / LOG_FILE, "a", encoding="utf-8")
     t_start = time.perf_counter()
     if view:
         view.start(total=plan.total_steps, done=at.step)
@@ -158,11 +158,11 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
         trackers.close()
         if view:
             view.stop()
-    last = result.last or (read_log(out / "train_log.jsonl") or [{}])[-1]
+    last = result.last or next(reversed(read_train_log(out / LOG_FILE)), None)
     if world > 1:
         dist.barrier()
     return {"steps": at.step, "total_steps": plan.total_steps, "epochs": round(at.step / plan.steps_per_epoch, 3),
-            "last": last, "out": str(out), "drafter": str(out / "drafter"), "world_size": world,
+            "last": last.to_json() if last else {}, "out": str(out), "drafter": str(out / "drafter"), "world_size": world,
             "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "wall_s": round(time.perf_counter() - t_start, 2), "resumed": resumed,
             "verdicts": [v.line() for v in result.fired], "report_to": cfg.report_to,

@@ -11,6 +11,7 @@ import pytest
 from extract_helpers import small_cache
 
 from pipeline.faults import LR_BLOWUP_STEP, PLANT_ENV
+from pipeline.records.train_log import LogLine
 from pipeline.report.live import LiveVerdicts
 from stages.train import resolve_config, run_train
 
@@ -38,7 +39,7 @@ def watch(log: list[dict], **kwargs) -> list:
                         vocab_size=VOCAB, **kwargs)
     fired = []
     for record in log:
-        fired += live.observe(record)
+        fired += live.observe(LogLine.from_json(record, "synthetic"))
     return fired
 
 

@@ -101,7 +101,7 @@ def analyse(run: Run, *, size: int, every: int | None, epochs: float | None) -> 
                     value = min(value, 1.0)
             out["extrapolated"][metric] = value
     # The first tenth of the log is left out: gradients at initialisation are large by nature.
-    raw = [(r["step"], r.get("grad_norm")) for r in run.records if isinstance(r.get("grad_norm"), (int, float))]
+    raw = [(r.step, r.get("grad_norm")) for r in run.records if isinstance(r.get("grad_norm"), (int, float))]
     raw = raw[len(raw) // 10:]
     out["grad_norm_anomalies"] = anomalies([s for s, _ in raw], [float(v) for _, v in raw]) if raw else []
     out["extrapolation_method"] = ("least squares of the metric on log(step) over the second half of the log, "

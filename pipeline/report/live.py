@@ -43,6 +43,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from pipeline.records.train_log import LogLine
 from pipeline.report.logs import CLIFF_FLOOR
 from pipeline.report.stats import anomalies, cliffs, compare, window
 
@@ -65,7 +66,7 @@ class Verdict:
         return f"step {self.step}: {self.cause}: {self.message}"
 
 
-def _number(record: dict, key: str) -> float | None:
+def _number(record: LogLine, key: str) -> float | None:
     value = record.get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -76,14 +77,14 @@ class LiveVerdicts:
         self.total, self.warmup, self.peak_lr, self.vocab_size = total_steps, warmup_steps, peak_lr, vocab_size
         self.every = max(1, every)
         self.window_size = window_size
-        self.records: list[dict] = []
+        self.records: list[LogLine] = []
         self.fired: set[str] = set()
 
     def _size(self) -> int:
         # The report's default window, bounded so a short run still gets checked.
         return self.window_size or max(4, min(20, len(self.records) // 4))
 
-    def observe(self, record: dict) -> list[Verdict]:
+    def observe(self, record: LogLine) -> list[Verdict]:
         """Add one log entry; the verdicts that fire now (each cause once per run)."""
         self.records.append(record)
         found = self._non_finite(record)
@@ -98,21 +99,21 @@ class LiveVerdicts:
 
     def points(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of the entries that carry `key` as a finite number."""
-        pairs = [(float(r["step"]), v) for r in self.records if (v := _number(r, key)) is not None and math.isfinite(v)]
+        pairs = [(float(r.step), v) for r in self.records if (v := _number(r, key)) is not None and math.isfinite(v)]
         return [s for s, _ in pairs], [v for _, v in pairs]
 
     def series(self, key: str) -> list[float]:
         return self.points(key)[1]
 
-    def _non_finite(self, record: dict) -> list[Verdict]:
+    def _non_finite(self, record: LogLine) -> list[Verdict]:
         bad = [k for k in ("loss", "grad_norm") if (v := _number(record, k)) is not None and not math.isfinite(v)]
         if not bad:
             return []
-        return [Verdict("non_finite", int(record["step"]), f"{' and '.join(bad)} not finite "
-                        f"({', '.join(f'{k}={record[k]}' for k in bad)})", None)]
+        return [Verdict("non_finite", int(record.step), f"{' and '.join(bad)} not finite "
+                        f"({', '.join(f'{k}={record.get(k)}' for k in bad)})", None)]
 
     def _checks(self) -> list[Verdict]:
-        step = int(self.records[-1]["step"])
+        step = int(self.records[-1].step)
         w = self._size()
         found: list[Verdict] = []
         losses, accuracy = self.series("loss"), self.series("accuracy")
@@ -150,12 +151,12 @@ class LiveVerdicts:
                 moved[0][1]["after"]))
 
         # Gradient spikes, past the first tenth of the log.
-        norms = [(float(r["step"]), v) for r in self.records if (v := _number(r, "grad_norm")) is not None]
+        norms = [(float(r.step), v) for r in self.records if (v := _number(r, "grad_norm")) is not None]
         norms = norms[len(norms) // 10:]
         if len(norms) >= 2 * w:
             median = statistics.median(v for _, v in norms)
             for a in anomalies([s for s, _ in norms], [v for _, v in norms]):
-                if a["step"] > float(self.records[-self.every]["step"]) - 1e-9 and math.isfinite(a["value"]) \
+                if a["step"] > float(self.records[-self.every].step) - 1e-9 and math.isfinite(a["value"]) \
                         and a["value"] > SPIKE_RATIO * median:
                     found.append(Verdict("grad_norm_spike", int(a["step"]), f"grad norm {a['value']:.3g} against a "
                                          f"median of {median:.3g}", a["value"]))
@@ -164,7 +165,7 @@ class LiveVerdicts:
         # Stalled early: quality flat while the learning rate is still high.
         lr = _number(self.records[-1], "lr")
         streak = self.series("avg_streak")
-        span = int(self.records[-1]["step"]) - int(self.records[-w]["step"]) if len(self.records) >= w else 0
+        span = int(self.records[-1].step) - int(self.records[-w].step) if len(self.records) >= w else 0
         if first_half and lr is not None and lr >= 0.5 * self.peak_lr and step > self.warmup and w >= PLATEAU_ENTRIES \
                 and span >= PLATEAU_SPAN * self.total and len(accuracy) >= 2 * w and len(streak) >= 2 * w:
             flat = [compare(window(v[-2 * w:-w]), window(v[-w:]), 1)["verdict"] == "plateau" for v in (accuracy, streak)]

@@ -1,15 +1,16 @@
-"""Reading train logs: one JSON object per line; a torn last line (a killed run) is tolerated,
-anything else malformed is an error naming the file and line. Missing keys stay missing."""
+"""Train logs as the report sees them: a run's lines sorted by step (read by pipeline/records/
+train_log.py: a torn last line tolerated, anything else malformed an error naming file:line,
+missing keys missing), the metrics' directions and groups."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.records.run import RUN_FILE, read_run_record
+from pipeline.records.train_log import LOG_FILE, LogLine, read_train_log
 
 # Metric -> which direction is better (+1 higher, -1 lower, 0 neither).
 DIRECTION = {"loss": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
@@ -28,7 +29,7 @@ CLIFF_FLOOR = {"accuracy": 0.01, "top4_acc": 0.01, "top8_acc": 0.01, "avg_streak
 class Run:
     name: str
     path: Path
-    records: list[dict]
+    records: list[LogLine]
     steps_per_epoch: float | None
 
     def series(self, metric: str) -> tuple[list[float], list[float]]:
@@ -37,7 +38,7 @@ class Run:
         for r in self.records:
             v = r.get(metric)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                steps.append(float(r["step"]))
+                steps.append(float(r.step))
                 values.append(float(v))
         return steps, values
 
@@ -46,39 +47,25 @@ class Run:
 
     @property
     def last_step(self) -> float:
-        return float(self.records[-1]["step"])
+        return float(self.records[-1].step)
 
 
 def read_run(path: Path, steps_per_epoch: float | None = None) -> Run:
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: no such log file")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    records = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines):
-                break  # a torn last line from a killed run
-            raise PipelineError(f"{path}:{i}: not a JSON object") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
-            raise PipelineError(f"{path}:{i}: a log entry needs a numeric `step`")
-        records.append(record)
+    records = sorted(read_train_log(path), key=lambda r: r.step)
     if not records:
         raise PipelineError(f"{path}: no log entries")
-    records.sort(key=lambda r: r["step"])
     if steps_per_epoch is None:
-        found = [r["steps_per_epoch"] for r in records if isinstance(r.get("steps_per_epoch"), (int, float))]
+        found = [r.steps_per_epoch for r in records if isinstance(r.steps_per_epoch, (int, float))]
         steps_per_epoch = float(found[-1]) if found else None
-    return Run(path.parent.name if path.name == "train_log.jsonl" else path.stem, path, records, steps_per_epoch)
+    return Run(path.parent.name if path.name == LOG_FILE else path.stem, path, records, steps_per_epoch)
 
 
 def log_path(path: Path) -> Path:
     path = Path(path)
-    return path / "train_log.jsonl" if path.is_dir() else path
+    return path / LOG_FILE if path.is_dir() else path
 
 
 def run_finished(log: Path) -> bool:
@@ -86,7 +73,7 @@ def run_finished(log: Path) -> bool:
     log = log_path(log)
     try:
         total = read_run_record(log.parent / RUN_FILE).total_steps
-        lines = log.read_text(encoding="utf-8").splitlines()
-        return bool(lines) and json.loads(lines[-1]).get("step", 0) >= total
-    except (OSError, PipelineError, KeyError, TypeError, ValueError, json.JSONDecodeError):
+        lines = read_train_log(log)
+        return bool(lines) and lines[-1].step >= total
+    except (OSError, PipelineError, KeyError, TypeError, ValueError):
         return False

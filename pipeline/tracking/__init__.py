@@ -174,9 +174,10 @@ def eval_figures(result: dict) -> dict[str, float]:
 def report_eval(names: list[str], *, run_dir: Path, result: dict, warn=None) -> int:
     """Send an eval's figures to the training run's trackers (the same tracker runs, continued
     from RUN/trackers.json), at the training's last logged step; returns that step."""
+    from pipeline.records.train_log import LOG_FILE
     from pipeline.report.logs import read_run
 
-    step = int(read_run(Path(run_dir) / "train_log.jsonl").last_step)
+    step = int(read_run(Path(run_dir) / LOG_FILE).last_step)
     trackers = open_trackers(names, run_dir=Path(run_dir), run_name=Path(run_dir).resolve().name, params={},
                              start_step=step, warn=warn)
     try:

@@ -6,27 +6,27 @@ the shards, seed and epoch)."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig, parse_loss
-from pipeline.training.objectives import needs_distribution
+from pipeline.records.train_log import LogLine, write_line
+from pipeline.report.live import LiveVerdicts, Verdict
+from pipeline.tracking import Trackers
 from pipeline.training.checkpoint import Position, save_on_all_ranks
+from pipeline.training.objectives import needs_distribution
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
 from pipeline.training.stream import SampleStream, StreamState
 from pipeline.training.train_log import Interval, append_json, log_record
-from pipeline.report.live import LiveVerdicts, Verdict
-from pipeline.tracking import Trackers
 
 
 @dataclass
 class LoopOutput:
     """What the run's rank 0 wants to know about it: the last log line and the verdicts fired."""
-    last: dict = field(default_factory=dict)
+    last: LogLine | None = None
     fired: list[Verdict] = field(default_factory=list)
 
 
@@ -60,7 +60,7 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
                         _report(result, log_file, trackers, verdicts, out, warn)
                     interval = Interval()
                 if view:
-                    view.update(at.step, result.last if logging else None)
+                    view.update(at.step, result.last.to_json() if logging else None)
                 if at.step % cfg.checkpoint_every == 0 or at.step == plan.total_steps:
                     at.tokens0 += trainer.take_tokens()
                     trackers.flush()  # a resume from this checkpoint finds every line before it in the trackers
@@ -77,9 +77,8 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
 
 def _report(result: LoopOutput, log_file, trackers: Trackers, verdicts: LiveVerdicts, out: Path, warn) -> None:
     """One log line: to the file, the trackers, and through the live verdicts."""
-    log_file.write(json.dumps(result.last) + "\n")
-    log_file.flush()
-    trackers.log(result.last)
+    write_line(log_file, result.last)
+    trackers.log(result.last.to_json())
     for verdict in verdicts.observe(result.last):
         result.fired.append(verdict)
         warn(verdict.line())

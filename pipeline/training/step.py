@@ -24,12 +24,12 @@ from pipeline.drafter.batch import (
     placeholder,
     prepare,
 )
-from pipeline.training.loss import supervised_loss
-from pipeline.training.objectives import needs_distribution
 from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
+from pipeline.training.loss import supervised_loss
+from pipeline.training.objectives import needs_distribution
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
