@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline.cache.schema import FP8_MAX, token_specs
+from pipeline.cache.schema import FP8_MAX, HIDDEN, HIDDEN_SCALE, token_specs
 
 
 def encode_bf16(x: torch.Tensor) -> np.ndarray:
@@ -44,17 +44,17 @@ def decode_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
 def encode_hidden(hidden_format: str, x: torch.Tensor) -> dict[str, np.ndarray]:
     """The stored hidden-state arrays of tap outputs x [tokens, n_taps, H], by array name."""
     if hidden_format == "bf16":
-        return {"hidden": encode_bf16(x)}
+        return {HIDDEN: encode_bf16(x)}
     bits, scale = encode_fp8(x)
-    return {"hidden": bits, "hidden_scale": scale}
+    return {HIDDEN: bits, HIDDEN_SCALE: scale}
 
 
 def decode_hidden(hidden_format: str, read: Callable[[str], np.ndarray]) -> torch.Tensor:
     """Inverse of encode_hidden; `read(name)` returns that stored array over the wanted tokens
     (and taps). bfloat16 for bf16 caches, float32 for fp8."""
     if hidden_format == "bf16":
-        return decode_bf16(read("hidden"))
-    return decode_fp8(read("hidden"), read("hidden_scale"))
+        return decode_bf16(read(HIDDEN))
+    return decode_fp8(read(HIDDEN), read(HIDDEN_SCALE))
 
 
 def encode_rows(hidden_format: str, ids: list[int], mask: list[int],
@@ -63,7 +63,7 @@ def encode_rows(hidden_format: str, ids: list[int], mask: list[int],
     per-token array of the schema. `target_outputs` holds what the target computed for the
     sample under the arrays' names, the tap outputs under "hidden" (float, before encoding)."""
     values = {"input_ids": ids, "loss_mask": mask, **target_outputs}
-    values.update(encode_hidden(hidden_format, values.pop("hidden")))
+    values.update(encode_hidden(hidden_format, values.pop(HIDDEN)))
     rows = {}
     for spec in token_specs(hidden_format):
         if spec.name not in values:

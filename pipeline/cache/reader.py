@@ -20,7 +20,7 @@ from pipeline.cache.local_copy import LocalCopies
 from pipeline.cache.address import open_location
 from pipeline.cache.location import Location
 from pipeline.cache.manifest import describe_foreign, read_manifest
-from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, array_specs, file_key, role_names, shard_name
+from pipeline.cache.schema import HARD_LABEL, HIDDEN, SAMPLE_TOKENS, SOFT_LABEL, array_specs, file_key, role_names, shard_name
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.config import parse_size
 from pipeline.errors import PipelineError
@@ -148,7 +148,7 @@ class ShardReader:
     def sample(self, sample_id: int) -> dict:
         """Every array of one sample, hidden states decoded."""
         out = {name: self.read(name, sample_id) for name in role_names(SAMPLE_TOKENS, HARD_LABEL, SOFT_LABEL)}
-        out["hidden"] = self.hidden(sample_id)
+        out[HIDDEN] = self.hidden(sample_id)
         return out
 
 

@@ -73,6 +73,10 @@ SOFT_LABEL = "soft_label"         # the rest of the target's prediction, for the
 HIDDEN_STATE = "hidden_state"     # the tap outputs, stored in the cache's hidden format
 SAMPLE_INDEX = "sample_index"     # per sample: where its tokens are, and which dataset row it is
 
+# The tap outputs' stored array; a decoded sample carries the float tap outputs under this key too.
+HIDDEN = "hidden"
+HIDDEN_SCALE = "hidden_scale"     # fp8 only: the per-token, per-tap scale of HIDDEN
+
 
 @dataclass(frozen=True, kw_only=True)
 class ArraySpec:
@@ -83,6 +87,12 @@ class ArraySpec:
     logical: str               # what the stored values mean
     role: str                  # one of the roles above
     fencepost: bool = False    # one entry more than there are samples (offsets: a start and an end)
+
+    @property
+    def full_width(self) -> bool:
+        """As wide as the target (hidden_size values a tap): the array whose chunks are sized in
+        bytes, the bulk of the cache."""
+        return "hidden_size" in self.inner
 
     def length(self, *, samples: int, tokens: int) -> int:
         """Entries along the leading dimension in a shard of this many samples and tokens."""
@@ -115,13 +125,13 @@ _SHARED_SPECS = (
 # The arrays that hold the tap outputs, by hidden format (pipeline/cache/encoding.py writes them).
 _HIDDEN_SPECS = {
     "bf16": (
-        ArraySpec(name="hidden", dtype="uint16", inner=("n_taps", "hidden_size"), per="token",
+        ArraySpec(name=HIDDEN, dtype="uint16", inner=("n_taps", "hidden_size"), per="token",
                   logical="bfloat16 bit pattern of tap outputs", role=HIDDEN_STATE),
     ),
     "fp8": (
-        ArraySpec(name="hidden", dtype="uint8", inner=("n_taps", "hidden_size"), per="token",
+        ArraySpec(name=HIDDEN, dtype="uint8", inner=("n_taps", "hidden_size"), per="token",
                   logical="float8_e4m3fn bit pattern; value = fp8 * hidden_scale", role=HIDDEN_STATE),
-        ArraySpec(name="hidden_scale", dtype="float32", inner=("n_taps",), per="token",
+        ArraySpec(name=HIDDEN_SCALE, dtype="float32", inner=("n_taps",), per="token",
                   logical="per-token, per-tap scale of the fp8 hidden states", role=HIDDEN_STATE),
     ),
 }
@@ -181,13 +191,13 @@ class Chunking:
 
     def chunk_tokens(self, spec: ArraySpec, dims: dict[str, int]) -> int:
         """Inner chunk length along the token axis (a power of two)."""
-        if spec.name != "hidden":
+        if not spec.full_width:
             return self.small_chunk_tokens
         tokens = max(16, self.hidden_chunk_bytes // max(token_bytes(spec, dims), 1))
         return 1 << (tokens.bit_length() - 1)
 
     def file_tokens(self, spec: ArraySpec, dims: dict[str, int]) -> int:
-        per_file = self.hidden_chunks_per_file if spec.name == "hidden" else self.small_chunks_per_file
+        per_file = self.hidden_chunks_per_file if spec.full_width else self.small_chunks_per_file
         return self.chunk_tokens(spec, dims) * per_file
 
     def record(self) -> dict:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.cache.schema import HIDDEN
 from pipeline.drafter.blocks import (
     block_mask,
     block_soft_targets,
@@ -76,7 +77,7 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
     anchors = sample_anchors(mask, num_anchors, generator)
     if len(anchors) == 0:
         return None
-    hidden = sample["hidden"][:n]
+    hidden = sample[HIDDEN][:n]
     hidden = (hidden if isinstance(hidden, torch.Tensor) else torch.from_numpy(np.asarray(hidden))).float()
     if noise_std > 0:
         hidden = hidden + noise_std * torch.randn(hidden.shape, generator=noise)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, role_names
+from pipeline.cache.schema import HARD_LABEL, HIDDEN, SAMPLE_TOKENS, SOFT_LABEL, role_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +172,7 @@ class SampleStream:
                     shard = shard_reader(name)
                     sid = int(shard.sample_ids[row])
                     sample = {k: shard.read(k, sid) for k in self.fields}
-                    sample["hidden"] = shard.hidden(sid)
+                    sample[HIDDEN] = shard.hidden(sid)
                     sample["sample_id"] = sid
                     q.put((pos, self.transform(pos, sample) if self.transform else sample))
                 q.put(None)

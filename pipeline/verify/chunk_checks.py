@@ -13,7 +13,7 @@ from pipeline.verify.bounded_reads import sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.encoding import decode_hidden
 from pipeline.cache.reader import CacheReader, ShardReader
-from pipeline.cache.schema import array_specs
+from pipeline.cache.schema import HIDDEN, array_specs
 from pipeline.errors import PipelineError
 
 
@@ -42,7 +42,7 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
                     failures.append(f"{name}/{spec.name} chunk {a // step}: {str(e)[:200]}")
                     continue
                 decoded += 1
-                if spec.name == "hidden":
+                if spec.full_width:
                     values = _decode_hidden(shard, block, a, reader.hidden_format)
                     nan += np.isnan(values).sum(axis=(0, 2))
                     inf += np.isinf(values).sum(axis=(0, 2))
@@ -126,6 +126,6 @@ def _decode_hidden(shard: ShardReader, block: np.ndarray, a: int, hidden_format:
     """The hidden states of `block` (the "hidden" array from token a on) as float32; the other
     arrays of the format (an fp8 scale) are read over the same tokens."""
     def stored(name: str) -> np.ndarray:
-        return block if name == "hidden" else shard.read_range(name, a, a + len(block))
+        return block if name == HIDDEN else shard.read_range(name, a, a + len(block))
 
     return decode_hidden(hidden_format, stored).float().numpy()

@@ -17,7 +17,7 @@ import torch
 from pipeline.verify.bounded_reads import shard_tokens, sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import HARD_LABEL, SOFT_LABEL, role_names
+from pipeline.cache.schema import HARD_LABEL, HIDDEN, SOFT_LABEL, role_names
 from pipeline.target_model.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
 from pipeline.target_model.kernels import kernel_record
@@ -82,7 +82,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         with counter:
             out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True)
         states = torch.stack([h[0].float().cpu() for h in out.hidden_states])  # [L+1, T, H]
-        stored = sample["hidden"].float()                                      # [T, n_taps, H]
+        stored = sample[HIDDEN].float()                                      # [T, n_taps, H]
         for k, tap in enumerate(taps):
             err = (states - stored[:, k][None]).abs().amax(dim=(1, 2))         # per hidden_states index
             j = int(err.argmin())
