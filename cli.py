@@ -16,6 +16,7 @@ from pipeline.config import ExtractConfig, TrainConfig, int_list, load_config
 from pipeline.embedded import BUILD_REPORT, HELDOUT_DATA, TARGET_DIR
 from pipeline.errors import PipelineError
 from pipeline.threads import apply_threads
+from pipeline.tracking import TRACKERS
 from pipeline.ui import ProgressBar, TrainView, error, print_sample, warning
 from pipeline.ui.config_options import config_options
 from pipeline.ui.summaries import (show_cache_info, show_demo, show_demo_step, show_eval, show_extract, show_extract_dry,
@@ -180,7 +181,7 @@ def eval_(
     block_size: Annotated[Optional[int], typer.Option(help="Draft block size (default: the drafter's).")] = None,
     tree_budget: Annotated[str, typer.Option(help="DDTree node budgets, comma-separated ('' for none).")] = "16,64",
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
-    report_to: Annotated[Optional[str], typer.Option(help="Also send the figures (taus, tau_walk with --cache) to the training run's trackers, as eval/... at its last step: tensorboard, wandb, mlflow, trackio.")] = None,
+    report_to: Annotated[Optional[str], typer.Option(help=f"Also send the figures (taus, tau_walk with --cache) to the training run's trackers, as eval/... at its last step: {', '.join(TRACKERS)}.")] = None,
     tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'auto' (by the target's size; recorded in the result), 'tree' (each node once: ancestor mask, per-node recurrent states; faster where the target's compute dominates) or 'paths' (root-to-leaf paths as batch rows; faster on tiny targets, and for attention implementations that take no mask).")] = "auto",
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them (each still checked against its own greedy run); worth it on a GPU.")] = 1,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.tracking import TRACKERS, parse_report_to
 
 EMBEDDED = "embedded"
 
@@ -225,14 +226,12 @@ class TrainConfig:
     # deleted past the size (bytes, or with a K/M/G/T suffix): later epochs read the copies.
     cache_local: str | None = option(None, help="For an s3:// cache: copy each file to this local directory on first read, so later epochs read the copies.")
     cache_local_size: str = option("100G", help="Most bytes kept under --cache-local, e.g. 500G (least recently used copies deleted; default 100G).")
-    # Watching the run: experiment trackers (any of tensorboard, wandb, mlflow, trackio; rank 0
+    # Watching the run: experiment trackers (any of pipeline.tracking.TRACKERS; rank 0
     # reports) and the live verdicts (pipeline/report/live.py), checked every `verdict_every` log lines.
-    report_to: list[str] = option(factory=list, parse=text_list, help="Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio (each an optional extra; default none). README: Watching a run.")
+    report_to: list[str] = option(factory=list, parse=text_list, help=f"Experiment trackers, comma-separated: {', '.join(TRACKERS)} (each an optional extra; default none). README: Watching a run.")
     verdict_every: int = option(5, help="Log lines between live verdict checks (loss flat, plateau, spikes, known bug signatures; default 5).")
 
     def __post_init__(self):
-        from pipeline.tracking import parse_report_to
-
         self.report_to = parse_report_to(self.report_to)
         checks = [
             (self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}"),

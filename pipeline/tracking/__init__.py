@@ -24,7 +24,9 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+# Each tracker: its name (that of its optional extra too) -> its class in backends.py. A new tracker
+# is a class there and a line here; the options' help texts list these names.
+TRACKERS = {"tensorboard": "TensorBoard", "wandb": "WandB", "mlflow": "MLflow", "trackio": "Trackio"}
 SCALAR_PREFIX = "train/"
 # Written beside the run so a resumed run continues the same tracker runs.
 IDS_FILE = "trackers.json"
@@ -122,8 +124,7 @@ class Trackers:
 def tracker_class(name: str):
     from pipeline.tracking import backends
 
-    return {"tensorboard": backends.TensorBoard, "wandb": backends.WandB, "mlflow": backends.MLflow,
-            "trackio": backends.Trackio}[name]
+    return getattr(backends, TRACKERS[name])
 
 
 def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dict, start_step: int,
