@@ -26,7 +26,7 @@ from stages.report import follow_report, run_report
 
 # The other stages import torch at import time (a second or more), so each command imports its own
 # stage when it runs: `pipeline --help` and a mistyped option answer at once. Nothing imported above
-# pulls in torch (tests/test_layers.py checks it).
+# pulls in torch (tests/command_line/test_layers.py checks it).
 
 # Nothing in this tool downloads at run time: targets, tokenizers and data are local paths.
 # Set before anything imports huggingface_hub (through transformers), which reads it once, at import.

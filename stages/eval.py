@@ -8,7 +8,7 @@ of per-response means (as the DFlash paper does) and pooled over all steps.
 
 With `--temperature T > 0` the reference is plain sampling and the variants are speculative
 sampling (pipeline/speculative/sampling.py): lossless in distribution, which one sample per
-prompt cannot show, so outputs are not compared; tests/test_sampling.py tests it.
+prompt cannot show, so outputs are not compared; tests/speculative/test_sampling.py tests it.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
                                       departures[b], sampled=sampled), "top_k": tree_top_k}
                  for b in tree_budgets},
         # Lossless: every output is greedy's, or first departs from it at a tie of the target (ties.py).
-        # Sampled: None, lossless in distribution by the rule (tested in tests/test_sampling.py).
+        # Sampled: None, lossless in distribution by the rule (tested in tests/speculative/test_sampling.py).
         "lossless": None if sampled else not any(not d.tie for found in departures.values() for d in found),
     }
     result["by_kind"] = by_kind(prompt_ids, reference, blocks, trees, TurnMarkers.of(tokenizer))

@@ -8,7 +8,7 @@ end of the file; each inner chunk a zstd frame followed by its CRC32C), so this 
 directly: one pread per inner chunk from a directory (into a reused buffer), or one coalesced
 range request per file from an object store (`Location.read_ranges`: adjacent chunks become one
 request), a CRC32C and one zstd call per inner chunk, decoded in place into the output. Only the exact codec chain the writer uses is accepted; anything else is
-refused, never guessed. tests/test_cache_layout.py checks it against Zarr's own reader.
+refused, never guessed. tests/cache/test_cache_layout.py checks it against Zarr's own reader.
 """
 
 from __future__ import annotations

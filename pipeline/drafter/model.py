@@ -167,7 +167,7 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, w
     sequence), nor the context after a piece's last anchor (anchors are sorted: about half of
     [Q, T]); SDPA keeps no scores for backward. Queries are split in one autograd node and keys and
     values gathered per piece by `_PieceRows`, so backward writes each gradient once. Same result
-    as SDPA with `block_mask` (and `window_mask`): tests/test_attention_rule.py checks both
+    as SDPA with `block_mask` (and `window_mask`): tests/drafter/test_attention_rule.py checks both
     against the rule."""
     b, h, q_len, d = q.shape
     a = anchors_BA.shape[1]

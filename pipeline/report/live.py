@@ -32,7 +32,7 @@ faults planted, BENCHMARKS "Live verdicts"):
   tap, taps swapped) train as well as the right ones and fail only against the features the
   serving engine feeds. They are refused before training instead: the last layer as a tap at
   configuration (pipeline/target_model/taps.py), the others by verify-cache recomputing the taps and the tail
-  of the target (tests/test_verify.py, tests/test_verify_samples.py). A context that leaks the
+  of the target (tests/verify/test_verify.py, tests/verify/test_verify_samples.py). A context that leaks the
   anchor's own features (ctx_pos <= a) did not separate from a clean run on the embedded target
   (slot-1 accuracy 0.90 against 0.85 at step 200), so it is left to the attention-rule tests.
 """

@@ -12,7 +12,7 @@ beyond `from_pretrained`, a plain forward and the public config/tokenizer classe
   (the embedded tokenizer).
 
 The tree-verification versions of the linear-attention ops, which patch the same modeling
-module, are in tree_internals.py. tests/test_transformers_internals.py checks each one by name, so an upgrade that moves one fails
+module, are in tree_internals.py. tests/target_model/test_transformers_internals.py checks each one by name, so an upgrade that moves one fails
 there, naming it, instead of deep inside extract or eval.
 """
 

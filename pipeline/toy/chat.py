@@ -12,7 +12,7 @@ What the template does, as Qwen3.6's does for text messages:
 - `tool` messages become `<tool_response>` blocks in one user turn per run of replies;
 - the generation prompt supplies `<think>\\n` (thinking on, the default) or an empty, closed think
   block with `enable_thinking=false`.
-tests/test_tokenizer.py renders conversations of every shape with this template and with the real
+tests/data/test_tokenizer.py renders conversations of every shape with this template and with the real
 Qwen3.6 template (the instructions replaced) and compares them character for character.
 """
 

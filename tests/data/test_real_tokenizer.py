@@ -2,7 +2,7 @@
 real vocabulary (248,320 rows; the embedded layer layout at hidden 64, built here by
 pipeline/toy/random_target.py): extract, verify-cache, train (mask id 248070), eval and generate,
 with reasoning and tool-call rows; the stored masks against the oracle written from DESIGN 3.5
-(tests/test_chat_shapes.py); and what a new user meets there: the generate row the template
+(tests/data/test_chat_shapes.py); and what a new user meets there: the generate row the template
 cannot prompt, the mask-token error, the inconclusive label check, `--show` without colour and
 with `--json`.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = "stages/demo.py"
 ENTRY_POINTS = {"resolve_config"}  # besides run_*: what demo may take from another stage
 

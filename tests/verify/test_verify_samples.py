@@ -16,7 +16,7 @@ from pipeline.errors import PipelineError
 from stages.extract import run_extract
 from stages.verify import run_verify
 
-IM_START, IM_END = 497, 498   # the shipped tokenizer's ids (tests/test_verify.py checks them)
+IM_START, IM_END = 497, 498   # the shipped tokenizer's ids (tests/verify/test_verify.py checks them)
 VICTIM_SHARD, VICTIM_ROW = "shard-00001", 3
 
 

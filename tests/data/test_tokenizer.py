@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.toy import chat, tasks
 
-REAL_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "chat_templates" / "qwen3.6.jinja"
+REAL_TEMPLATE = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "chat_templates" / "qwen3.6.jinja"
 
 TEXTS = [
     "Count from 12 to 19.",

@@ -1,4 +1,4 @@
-"""Run by tests/test_zero_gather.py under torchrun (gloo): the optimizer state gathered for a
+"""Run by tests/training/test_zero_gather.py under torchrun (gloo): the optimizer state gathered for a
 checkpoint (pipeline.training.plan.gathered_state) against torch's own consolidation of the same
 ZeroRedundancyOptimizer (consolidate_state_dict, then state_dict()) on rank 0. Writes OUT/result.json."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pipeline.training.plan import gathered_state  # noqa: E402
 
 

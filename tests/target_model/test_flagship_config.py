@@ -14,7 +14,7 @@ from pipeline.target_model import read_target_facts
 from pipeline.target_model.taps import default_taps
 from pipeline.toy.random_target import QWEN3_6_27B_TEXT_CONFIG, build_flagship_target, flagship_config
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen3.6"
 TEMPLATE = FIXTURES / "chat_templates" / "qwen3.6.jinja"
 needs_fixtures = pytest.mark.skipif(not TOKENIZER.is_dir() or not TEMPLATE.is_file(),
