@@ -2,7 +2,7 @@
 
     python benchmarks/kill_table.py [--rows 24] [--per-failpoint 4] [--timed 4] [--json]
 
-Runs tests/kill_trials.py (one process per trial, SIGKILL at a random hit of each failpoint or
+Runs harness/kill_trials.py (one process per trial, SIGKILL at a random hit of each failpoint or
 after a random delay, the writer inline and on its thread alternately; small chunking so that
 kills land between the file writes of a shard) and then, per trial, compares the resumed cache
 with the uninterrupted reference sample by sample (every array, exactly). Prints one row per
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -22,11 +20,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from extract_helpers import assert_same_content, write_rows  # noqa: E402
-
-CHUNKING = {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256, "small_chunks_per_file": 4}
+from harness.caches import assert_same_content  # noqa: E402
+from harness.kill_trials import SMALL_FILES, run_trials  # noqa: E402
+from harness.runs import write_rows  # noqa: E402
 
 
 def main() -> None:
@@ -52,14 +49,11 @@ def main() -> None:
         root = Path(tmp)
         data = write_rows(root / "convs.jsonl", rows)
         plan = {"root": str(root), "data": str(data), "num_shards": args.shards, "batch_tokens": 256, "seed": 9,
-                "per_failpoint": args.per_failpoint, "timed": args.timed, "chunking": CHUNKING}
-        (root / "plan.json").write_text(json.dumps(plan))
-        result = subprocess.run([sys.executable, "tests/kill_trials.py", str(root / "plan.json")], cwd=REPO,
-                                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                     "PIPELINE_FAILPOINT": ""})
-        if result.returncode:
-            sys.exit(result.stderr[-3000:])
-        report = json.loads(result.stdout)
+                "per_failpoint": args.per_failpoint, "timed": args.timed, "chunking": SMALL_FILES}
+        try:
+            report = run_trials(plan, root / "plan.json", timeout=None)
+        except RuntimeError as e:
+            sys.exit(str(e))
         table = defaultdict(lambda: defaultdict(int))
         for trial in report["trials"]:
             phase = trial["failpoint"].split("@")[0] if "failpoint" in trial else "random delay"

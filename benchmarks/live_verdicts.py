@@ -20,7 +20,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "tests"))
 
 from benchmarks.cli_args import at_least_one  # noqa: E402
 
@@ -36,10 +35,10 @@ def main() -> None:
     args = parser.parse_args()
     at_least_one(parser, args, "steps", "log_every", "rows")
 
-    from extract_helpers import small_cache
-
+    from harness.runs import small_cache
     from pipeline import embedded
     from pipeline.faults import LR_BLOWUP_STEP, PLANT_ENV
+    from pipeline.records.verdicts import read_verdicts
     from stages.train import resolve_config, run_train
 
     rows = [json.loads(x) for x in embedded.TRAIN_DATA.read_text().splitlines()[:args.rows]]
@@ -55,8 +54,7 @@ def main() -> None:
             cfg, preset = resolve_config(None, {"cache": str(cache), "out": str(out), "max_steps": args.steps,
                                                 "log_every": args.log_every})
             summary = run_train(cfg, preset_target=preset, warn=lambda *_: None)
-            path = out / "verdicts.jsonl"
-            fired = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+            fired = read_verdicts(out)
             results.append({"run": name, "verdicts": [{"cause": v["cause"], "step": v["step"], "message": v["message"]}
                                                       for v in fired],
                             "final_loss": summary["last"]["loss"], "final_accuracy": summary["last"]["accuracy"]})

@@ -30,7 +30,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "tests"))
 
 from benchmarks.cli_args import at_least_one  # noqa: E402
 
@@ -118,7 +117,7 @@ def main() -> None:
 
     import tempfile
 
-    from s3_helpers import MotoServer
+    from harness.s3_server import MotoServer
 
     from pipeline.cache.location import LocalLocation
     from pipeline.cache.object_store import S3Location

@@ -54,11 +54,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO.parent / "shared" / "fixtures"
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from process_memory import ProcessMemory  # noqa: E402
 from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
+from pipeline.records.verify_result import VerifyResult  # noqa: E402
 
 STEPS = 6
 
@@ -214,7 +214,7 @@ def main() -> None:
         raise SystemExit(f"the Qwen3.6 tokenizer and template are not in {FIXTURES}: the rehearsal needs them")
     work = args.work or Path(tempfile.mkdtemp(prefix="rehearsal-"))
     work.mkdir(parents=True, exist_ok=True)
-    from s3_helpers import ForgetfulRelay, MotoServer
+    from harness.s3_server import ForgetfulRelay, MotoServer
 
     server = MotoServer()
     relay = ForgetfulRelay(server.port, drop=())  # forwards everything and counts the requests
@@ -263,7 +263,7 @@ def main() -> None:
             report = r.run(f"verify-cache {fmt} --recompute 1", pipeline("verify-cache", f"s3://{bucket}/{fmt}",
                                                                          "--recompute", "1", "--dtype", "bfloat16",
                                                                          "--json"))
-            summary[f"verify_{fmt}"] = {c["check"]: c["status"] for c in report["checks"]}
+            summary[f"verify_{fmt}"] = VerifyResult.from_json(report, where=f"verify-cache {fmt}").statuses()
 
         layers = args.drafter_layers
         (work / "train.toml").write_text("\n".join([

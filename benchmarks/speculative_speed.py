@@ -70,9 +70,9 @@ def random_target(hidden: int, layers: int, vocab: int):
 
 def embedded_target():
     from pipeline.embedded import TARGET_DIR
-    from pipeline.target_model import load_model
+    from pipeline.target_model import load_target
 
-    return load_model(TARGET_DIR)
+    return load_target(TARGET_DIR)
 
 
 class Oracle:

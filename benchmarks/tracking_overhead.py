@@ -27,7 +27,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "tests"))
 
 from benchmarks.cli_args import at_least_one  # noqa: E402
 from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
@@ -79,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     at_least_one(parser, args, "steps", "log_every", "rounds", "rows")
 
-    from extract_helpers import small_cache
+    from harness.runs import small_cache
 
     from pipeline import embedded
 

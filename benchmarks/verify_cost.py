@@ -31,14 +31,15 @@ from pipeline.cache.reader import CacheReader  # noqa: E402
 from pipeline.target_model.capture import tail_forward  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.embedded import TARGET_DIR  # noqa: E402
-from pipeline.target_model import load_model  # noqa: E402
+from pipeline.target_model import load_target  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
+from pipeline.records.verify_result import VerifyResult  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 from stages.verify import run_verify  # noqa: E402
 
 
 def tail_vs_full(cache: Path, rounds: int = 3) -> dict:
-    model = load_model(TARGET_DIR)
+    model = load_target(TARGET_DIR)
     reader = CacheReader(cache)
     taps = reader.manifest.identity.capture.target_layer_ids
     deepest, k = max(taps), taps.index(max(taps))
@@ -85,7 +86,7 @@ def main() -> None:
         start = time.perf_counter()
         report = run_verify(root / "cache")
         verify_s = time.perf_counter() - start
-        tail = next(c for c in report["checks"] if c["check"] == "tail_recompute")["evidence"]
+        tail = VerifyResult.from_json(report).check("tail_recompute").evidence
         result = {"tokens": extract["tokens"], "samples": extract["samples"], "extract_s": extract_s,
                   "verify_s": verify_s, "verify_over_extract": verify_s / extract_s, "verify_passed": report["passed"],
                   "tail_check_s": tail["seconds"], "tail_samples": tail["samples"],

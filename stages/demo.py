@@ -16,7 +16,9 @@ from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import default_gamma
 from pipeline.embedded import TRAIN_DATA
+from pipeline.records.eval_result import flat, variants_in
 from pipeline.records.train_log import LOG_FILE
+from pipeline.records.verify_result import VerifyResult
 from pipeline.ui import ProgressBar, TrainView
 # `pipeline demo` composes the other stages through their entry points (the one stage that may).
 from stages.eval import run_eval
@@ -53,7 +55,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
     start = time.perf_counter()
     verified = run_verify(out / "cache", progress=progress)
     timings["verify_s"] = time.perf_counter() - start
-    failed = [c["check"] for c in verified["checks"] if c["status"] == "fail"]
+    failed = VerifyResult.from_json(verified).with_status("fail")
 
     say("[3/5] train: the tiny preset" + (f", block {block_size}" if block_size else "")
         + (f", {plan['max_steps']} steps" if plan["max_steps"] else ", 6 epochs"))
@@ -94,8 +96,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
                   "drafter": trained["drafter"], "log": str(out / "run" / LOG_FILE)},
         "eval": {"prompts": evaluated["prompts"], "lossless": evaluated["lossless"],
                  "block_tau_mean_of_means": evaluated["block"]["tau_mean_of_means"],
-                 "block_tau_pooled": evaluated["block"]["tau_pooled"],
-                 **{f"ddtree{b}_tau_pooled": r["tau_pooled"] for b, r in evaluated["tree"].items()},
+                 **flat(variants_in(evaluated), "tau_pooled"),
                  "block_speedup_vs_greedy_cpu": evaluated["block"]["speedup_vs_greedy"],
                  "tree_verify": evaluated["tree_verify"], "tree_verify_reason": evaluated["tree_verify_reason"],
                  "by_kind": kind_taus(evaluated.get("by_kind", {}))},
@@ -110,6 +111,4 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
 def kind_taus(by_kind: dict) -> dict:
     """eval's per-kind figures cut to what the demo shows: {kind: {prompts, block_tau_pooled,
     ddtree<budget>_tau_pooled}} (thinking, non-thinking and tool-call turns)."""
-    return {kind: {"prompts": g["prompts"], "block_tau_pooled": g["block"]["tau_pooled"],
-                   **{f"ddtree{b}_tau_pooled": r["tau_pooled"] for b, r in g.get("tree", {}).items()}}
-            for kind, g in by_kind.items()}
+    return {kind: {"prompts": g["prompts"], **flat(variants_in(g), "tau_pooled")} for kind, g in by_kind.items()}

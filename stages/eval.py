@@ -21,18 +21,20 @@ from pipeline.cache.reader import open_cache
 from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
+from pipeline.records.eval_result import nest
 from pipeline.records.train_log import LOG_FILE
 from pipeline.training.run_record import resolve_drafter, target_mismatch
 from pipeline.speculative.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError
-from pipeline.speculative.compare import decode_variants
+from pipeline.speculative.compare import REFERENCE, decode_variants
 from pipeline.speculative.decode import TREE_VERIFY, choose_tree_verify
 from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
 from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures
-from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_model, load_tokenizer, read_target_facts, resolve_target
+from pipeline.speculative.variants import Settings, variants
+from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer, read_target_facts, resolve_target
 from pipeline.target_model.internals import takes_mask
 from pipeline.target_model.live import LiveTarget
 from pipeline.tracking import parse_report_to, report_eval, tracker_class
@@ -85,7 +87,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         raise PipelineError(f"--tree-budget values must be >= 1, got {tree_budgets}")
     c.block_size = block
     tokenizer = load_tokenizer(target_dir)
-    model = load_model(target_dir, dtype=dtype_).to(device_)
+    model = load_target(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
     tree_verify_reason = "asked for"
     if tree_verify == "auto":
@@ -105,14 +107,19 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     if on_total:
         on_total(len(items))
 
-    reference, blocks, trees, seconds = decode_variants(
-        live, drafter, [item["ids"] for item in items], max_new=max_new_tokens, eos=eos, tree_budgets=tree_budgets,
-        tree_top_k=tree_top_k, tree_verify=tree_verify, batch_size=batch_size, progress=progress, sampling=sampling)
-    greedy_tokens = sum(len(r.tokens) for r in reference)
     prompt_ids = [item["ids"] for item in items]
+    settings = Settings(max_new=max_new_tokens, eos=eos, sampling=sampling, batch_size=batch_size, tree_top_k=tree_top_k,
+                        tree_verify=tree_verify)
+    reference, runs, seconds = decode_variants(live, drafter, prompt_ids, variants(tree_budgets), settings, progress)
+    greedy_tokens = sum(len(r.tokens) for r in reference)
     sampled = sampling is not None
-    departures = {variant: [] if sampled else judge_departures(live, prompt_ids, runs, reference, dtype_)
-                  for variant, runs in [("block", blocks), *trees.items()]}
+    departures = {v: [] if sampled else judge_departures(live, prompt_ids, results, reference, dtype_)
+                  for v, results in runs.items()}
+    summaries = {v: summarise(results, reference, seconds[v.name], seconds[REFERENCE], block, departures[v], sampled=sampled)
+                 for v, results in runs.items()}
+    for v in summaries:
+        if v.kind.parametrised:  # DDTree: the top-k its trees branch by
+            summaries[v]["top_k"] = tree_top_k
     extra = {}
     if cache_reader is not None:
         extra["teacher_forced"] = teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
@@ -126,19 +133,17 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         "tree_verify": tree_verify, "tree_verify_reason": tree_verify_reason, "batch_size": batch_size,
         "sampling": sampling.record() if sampled else None,
         "plain_sampling" if sampled else "greedy": {
-            "tokens": greedy_tokens, "wall_s": seconds["greedy"], "tokens_per_s": greedy_tokens / max(seconds["greedy"], 1e-9),
+            "tokens": greedy_tokens, "wall_s": seconds[REFERENCE],
+            "tokens_per_s": greedy_tokens / max(seconds[REFERENCE], 1e-9),
             "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
-        "block": summarise(blocks, reference, seconds["block"], seconds["greedy"], block, departures["block"], sampled=sampled),
-        "tree": {str(b): {**summarise(trees[b], reference, seconds[f"tree{b}"], seconds["greedy"], block,
-                                      departures[b], sampled=sampled), "top_k": tree_top_k}
-                 for b in tree_budgets},
+        **nest(summaries),
         # Lossless: every output is greedy's, or first departs from it at a tie of the target (ties.py).
         # Sampled: None, lossless in distribution by the rule (tested in tests/speculative/test_sampling.py).
         "lossless": None if sampled else not any(not d.tie for found in departures.values() for d in found),
     }
-    result["by_kind"] = by_kind(prompt_ids, reference, blocks, trees, TurnMarkers.of(tokenizer))
+    result["by_kind"] = by_kind(prompt_ids, reference, runs, TurnMarkers.of(tokenizer))
     if group_by:
-        result["by_field"] = by_field(group_by, [item["fields"] for item in items], blocks, trees)
+        result["by_field"] = by_field(group_by, [item["fields"] for item in items], runs)
     if report_to:
         result["reported_to"] = {"trackers": report_to,
                                  "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}

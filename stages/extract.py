@@ -29,7 +29,7 @@ from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import init_layout
 from pipeline.errors import PipelineError
 from pipeline.provenance import environment
-from pipeline.target_model import load_target_model
+from pipeline.target_model import load_target_on_layout
 from pipeline.target_model.capture import Capture
 from pipeline.ui import ProgressBar
 
@@ -69,7 +69,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
 
     device, dtype = resolve_device("auto", cfg.compute_dtype)
     compute = dtype_name(dtype)
-    model, tp_plan = load_target_model(target_dir, dtype, device, layout, facts.num_key_value_heads)
+    model, tp_plan = load_target_on_layout(target_dir, dtype, device, layout, facts.num_key_value_heads)
     identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, prompt=masker.prompt(cfg.chat_template_kwargs),
                                target_dir=target_dir, taps=taps,
                                dataset=dataset, compute_dtype=compute)

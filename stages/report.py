@@ -13,11 +13,11 @@ with a plot of the kinds.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.records.eval_result import read_decoded_taus
 from pipeline.report.analysis import analyse, compare_runs
 from pipeline.report.logs import log_path, read_run, run_finished
 from pipeline.report.plots import plot, plot_kinds
@@ -28,7 +28,7 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
                eval_file: Path | None = None) -> dict:
     if not logs:
         raise PipelineError("give at least one train_log.jsonl")
-    decoded = read_eval(Path(eval_file)) if eval_file is not None else None
+    decoded = read_decoded_taus(Path(eval_file)) if eval_file is not None else None
     runs = [read_run(log_path(p), steps_per_epoch) for p in logs]
     names = [r.name for r in runs]
     for i, r in enumerate(runs):
@@ -53,26 +53,6 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
         if decoded is not None and decoded["by_kind"]:
             result["plots"].append(plot_kinds(decoded, plots))
     return result
-
-
-def read_eval(path: Path) -> dict:
-    """The decoded figures of an eval result: {file, prompts, lossless, block, tree: {budget: tau},
-    by_kind: {kind: {prompts, block, tree}}} (pooled tau). A file that is not one is a one-line error."""
-    try:
-        result = json.loads(path.read_text())
-        figures = {"file": str(path), "prompts": int(result["prompts"]), "lossless": bool(result["lossless"]),
-                   "block": float(result["block"]["tau_pooled"]),
-                   "tree": {str(b): float(r["tau_pooled"]) for b, r in result.get("tree", {}).items()},
-                   "by_kind": {kind: {"prompts": int(g["prompts"]), "block": float(g["block"]["tau_pooled"]),
-                                      "tree": {str(b): float(r["tau_pooled"]) for b, r in g.get("tree", {}).items()}}
-                               for kind, g in result.get("by_kind", {}).items()}}
-    except OSError as e:
-        raise PipelineError(f"--eval {path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise PipelineError(f"--eval {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PipelineError(f"--eval {path}: not a `pipeline eval --json` result (missing or bad field {e})") from None
-    return figures
 
 
 

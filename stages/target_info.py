@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from pipeline.data.conversations import iter_rows
-from pipeline.target_model import chat_template_sha256, load_model, load_tokenizer, read_target_facts
+from pipeline.target_model import chat_template_sha256, load_target, load_tokenizer, read_target_facts
 from pipeline.data.self_agreement import self_agreement
 from pipeline.target_model.describe import layer_pattern
 from pipeline.target_model.taps import default_taps
@@ -22,7 +22,7 @@ def target_summary(target_dir: Path, *, heldout: Path | None = None, build_repor
                    num_check: int = 16, num_taps: int = 3) -> dict:
     facts = read_target_facts(target_dir)
     tokenizer = load_tokenizer(target_dir)  # a directory without tokenizer files fails before the weights load
-    model = load_model(target_dir)
+    model = load_target(target_dir)
     mask_token = "<|MASK|>"
     summary = {
         "target_dir": str(target_dir),

@@ -37,6 +37,7 @@ from pipeline.drafter.model import DFlashDrafter, attention_path
 from pipeline.errors import PipelineError
 from pipeline.records.run import RunRecord, write_run_record
 from pipeline.records.train_log import LOG_FILE, read_train_log, trim_to_step
+from pipeline.records.verdicts import VERDICTS_FILE
 from pipeline.report.live import LiveVerdicts
 from pipeline.target_model import frozen_target_modules, identity_claims, read_target_facts, recorded_in_cache, resolve_target
 from pipeline.tracking import Trackers, open_trackers, tracker_class
@@ -110,7 +111,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         trim_to_step(out / LOG_FILE, at.step)
-        trim_to_step(out / "verdicts.jsonl", at.step)
+        trim_to_step(out / VERDICTS_FILE, at.step)
         write_run_record(out, RunRecord(
             config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
             target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns

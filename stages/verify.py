@@ -26,7 +26,8 @@ from pipeline.verify.selection_checks import check_completeness, check_target_id
 from pipeline.verify.structure_checks import check_digests, check_provenance, check_structure
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.errors import PipelineError
-from pipeline.target_model import load_model, load_tokenizer, recorded_in_cache, resolve_target
+from pipeline.records.verify_result import VerifyResult
+from pipeline.target_model import load_target, load_tokenizer, recorded_in_cache, resolve_target
 from pipeline.ui import ProgressBar
 
 
@@ -46,7 +47,7 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
     try:
         reader = CacheReader(location, foreign="report")  # shards of another identity: named by check_provenance
     except PipelineError as e:
-        return {"cache": location.where(), "passed": False, "checks": [Check("manifest", False, str(e)).record()]}
+        return VerifyResult(location.where(), False, [Check("manifest", False, str(e)).line()]).to_json()
     selected = select_shards(reader, shards)
     checks = [Check("manifest", True, f"schema {reader.manifest.schema_version}, {len(reader.shards)} committed shards, "
                                       f"{len(selected)} selected")]
@@ -75,7 +76,7 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
         checks.append(check_mask_boundaries(reader, present, tokenizer))
         checks.append(check_loss_masks(reader, present, tokenizer))
         if tail_rate > 0 or recompute:
-            model = load_model(target_dir, dtype=placement[1]).to(placement[0])
+            model = load_target(target_dir, dtype=placement[1]).to(placement[0])
             compute = {"device": str(placement[0]), "dtype": dtype_name(placement[1])}
             if tail_rate > 0:
                 checks.append(check_tail(reader, present, model, tail_rate, seed, compute["dtype"]))
@@ -90,6 +91,6 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
         checks.append(Check("loss_mask", True, f"skipped: {reason}", skipped=True))
     seconds = time.perf_counter() - start
     tokens = sum(reader.manifest.shards[s].tokens for s in selected)
-    return {"cache": location.where(), "passed": all(c.passed for c in checks), "checks": [c.record() for c in checks],
-            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "compute": compute,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return VerifyResult(location.where(), all(c.passed for c in checks), [c.line() for c in checks], tokens=tokens,
+                        seconds=seconds, tokens_per_s=tokens / seconds, compute=compute,
+                        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024).to_json()

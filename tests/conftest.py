@@ -1,9 +1,15 @@
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The shared kit (harness/, beside tests/ and benchmarks/) is not installed: reach it from the
+# repository root, appended so that `pipeline`, `stages` and `cli` still come from the installed
+# package wherever one is (CI installs it non-editable).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +69,7 @@ def trained_run(tmp_path_factory, train_rows):
     conversations in 2 shards (on the thinking, tool-calling kit 150 steps gave a block tau of
     1.7 on 64 held-out prompts, 250 steps 2.6). {"run": the run directory, "cache": its cache,
     "steps": TRAINED_STEPS}. Tests must not write into it."""
-    from extract_helpers import small_cache
+    from harness.runs import small_cache
     from stages.train import resolve_config, run_train
 
     root = tmp_path_factory.mktemp("trained")
@@ -79,7 +85,7 @@ def twelve_rows_cache(tmp_path_factory, train_rows):
     """The first 12 training conversations and their cache in 3 shards of small batches (256
     tokens): the reference that the fault and object-store tests compare their caches with.
     {"data": the JSONL, "cache": the cache directory}. Tests must not write into either."""
-    from extract_helpers import write_rows
+    from harness.runs import write_rows
     from pipeline.config import ExtractConfig
     from stages.extract import run_extract
 

@@ -13,7 +13,7 @@ from pipeline.errors import PipelineError
 from pipeline.generate.assistant import parse_assistant
 from pipeline.generate.sampling import generate
 from pipeline.generate.turns import Turn, Written
-from pipeline.target_model import end_of_turn_ids, load_model, read_target_facts
+from pipeline.target_model import end_of_turn_ids, load_target, read_target_facts
 from pipeline.target_model.live import LiveTarget
 
 
@@ -24,7 +24,7 @@ class InProcess:
                  top_p: float, batch_size: int):
         device_, dtype_ = resolve_device(device, dtype)   # a bare cuda: this rank's GPU under torchrun
         self.tokenizer = tokenizer
-        self.target = LiveTarget(load_model(target_dir, dtype=dtype_).to(device_), [])
+        self.target = LiveTarget(load_target(target_dir, dtype=dtype_).to(device_), [])
         self.stop = end_of_turn_ids(tokenizer)
         self.max_new, self.temperature, self.top_p, self.batch_size = max_new_tokens, temperature, top_p, batch_size
         self.device = f"{device_} ({dtype_name(dtype_)})"

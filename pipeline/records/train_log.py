@@ -105,6 +105,34 @@ def read_train_log(path: Path) -> list[LogLine]:
     return lines
 
 
+def last_step(path: Path, tail_bytes: int = 65536) -> int | None:
+    """The step of the log's last complete line, reading only its end (a follower polls this on a
+    log of any length); None when the file is absent or holds no complete line. Reads further
+    back when the tail holds no complete line."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    with open(path, "rb") as f:
+        while True:
+            start = max(size - tail_bytes, 0)
+            f.seek(start)
+            lines = f.read().decode("utf-8", errors="replace").split("\n")
+            if start > 0:
+                lines = lines[1:]  # the first may begin mid-line
+            for text_line in reversed(lines):
+                try:
+                    raw = json.loads(text_line)
+                except json.JSONDecodeError:
+                    continue  # the torn last line of a run killed mid-write, or blank
+                if isinstance(raw, dict) and isinstance(raw.get("step"), (int, float)) and not isinstance(raw["step"], bool):
+                    return int(raw["step"])
+            if start == 0:
+                return None
+            tail_bytes *= 4
+
+
 def trim_to_step(path: Path, step: int) -> None:
     """Keep the lines of a step-stamped JSONL (the log, RUN/verdicts.jsonl) up to `step`, the
     checkpoint resumed from: the resumed run writes the rest again. Kept lines stay byte for byte."""

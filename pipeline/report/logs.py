@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.records.run import RUN_FILE, read_run_record
-from pipeline.records.train_log import LOG_FILE, LogLine, read_train_log
+from pipeline.records.train_log import LOG_FILE, LogLine, last_step, read_train_log
 
 # Metric -> which direction is better (+1 higher, -1 lower, 0 neither).
 DIRECTION = {"loss": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
@@ -73,7 +73,7 @@ def run_finished(log: Path) -> bool:
     log = log_path(log)
     try:
         total = read_run_record(log.parent / RUN_FILE).total_steps
-        lines = read_train_log(log)
-        return bool(lines) and lines[-1].step >= total
+        last = last_step(log)
+        return last is not None and last >= total
     except (OSError, PipelineError, KeyError, TypeError, ValueError):
         return False

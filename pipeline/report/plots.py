@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.records.eval_result import variants_in
 from pipeline.report.logs import GROUPS, Run
 
 
@@ -41,21 +42,20 @@ def plot(runs: list[Run], out_dir: Path, size: int) -> list[str]:
 
 
 def plot_kinds(decoded: dict, out_dir: Path) -> str:
-    """Pooled tau per kind of turn, block and each DDTree budget side by side (report-tau-by-kind.png)."""
+    """Pooled tau per kind of turn, each variant side by side (report-tau-by-kind.png)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
     kinds = list(decoded["by_kind"])
-    methods = ["block", *decoded["tree"]]
+    methods = [v for v, _ in variants_in(decoded)]
+    per_kind = {k: dict(variants_in(decoded["by_kind"][k])) for k in kinds}
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(kinds), 3.6))
     width = 0.8 / len(methods)
     for m, method in enumerate(methods):
-        values = [decoded["by_kind"][k]["block"] if method == "block" else decoded["by_kind"][k]["tree"].get(method, 0.0)
-                  for k in kinds]
-        ax.bar([i + m * width for i in range(len(kinds))], values, width,
-               label="block" if method == "block" else f"DDTree {method}")
+        values = [per_kind[k].get(method, 0.0) for k in kinds]
+        ax.bar([i + m * width for i in range(len(kinds))], values, width, label=method.plot_label)
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(kinds))])
     ax.set_xticklabels([f"{k.replace('_', '-')}\n({decoded['by_kind'][k]['prompts']} prompts)" for k in kinds])
     ax.set_ylabel("tau (pooled)")

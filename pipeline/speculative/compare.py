@@ -1,52 +1,44 @@
 """Every decoding variant on the same prompts, for `pipeline eval`: plain greedy or plain sampling
-(the reference and the speed baseline), block speculative decoding and DDTree at each node
-budget, timed apart."""
+(the reference and the speed baseline), then each variant of the registry
+(pipeline/records/eval_result.py: block speculative decoding, DDTree at each node budget),
+timed apart."""
 
 from __future__ import annotations
 
 import time
 
-from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import Decoded, block_decode, greedy, tree_decode
-from pipeline.speculative.sampling import Sampling
+from pipeline.speculative.decode import Decoded, greedy
+from pipeline.records.eval_result import Variant
+from pipeline.speculative.variants import Settings, decode
 from pipeline.target_model.live import LiveTarget
 
+REFERENCE = "greedy"  # the reference's timing key, whether it is greedy or plain sampling
 
-def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], *, max_new: int, eos: set[int],
-                    tree_budgets: list[int], tree_top_k: int, tree_verify: str, batch_size: int = 1, progress=None,
-                    sampling: Sampling | None = None
-                    ) -> tuple[list[Decoded], list[Decoded], dict[int, list[Decoded]], dict[str, float]]:
-    """(reference, block, {budget: tree} results per prompt, seconds per variant); the reference
-    is plain greedy decoding, or plain sampling with `sampling` (prompt i's random numbers keyed
-    by i, in every variant). With batch_size > 1 the speculative variants decode that many
-    prompts together (one tree pass over their nodes). `progress(prompts, tokens=, note=)` after
-    each batch of prompts. The reference's time is under "greedy" either way."""
-    reference, blocks, trees = [], [], {b: [] for b in tree_budgets}
-    seconds = {"greedy": 0.0, "block": 0.0, **{f"tree{b}": 0.0 for b in tree_budgets}}
-    for first in range(0, len(prompts), batch_size):
+
+def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], variants: list[Variant], settings: Settings,
+                    progress=None) -> tuple[list[Decoded], dict[Variant, list[Decoded]], dict[str, float]]:
+    """(reference, {variant: results per prompt}, seconds per variant name and REFERENCE); the
+    reference is plain greedy decoding, or plain sampling with `settings.sampling` (prompt i's
+    random numbers keyed by i, in every variant). With batch_size > 1 the speculative variants
+    decode that many prompts together. `progress(prompts, tokens=, note=)` after each batch of
+    prompts, with the first variant's (block's) tau so far."""
+    reference, runs = [], {v: [] for v in variants}
+    seconds = {REFERENCE: 0.0, **{v.name: 0.0 for v in variants}}
+    for first in range(0, len(prompts), settings.batch_size):
         # Variants alternate per prompt (per batch of prompts), so machine drift hits them all alike.
-        chunk = prompts[first:first + batch_size]
+        chunk = prompts[first:first + settings.batch_size]
         row_ids = list(range(first, first + len(chunk)))
         t0 = time.perf_counter()
-        reference += [greedy(live, ids, max_new=max_new, eos=eos, sampling=sampling, row=i) for i, ids in zip(row_ids, chunk)]
-        seconds["greedy"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if batch_size > 1:
-            blocks += decode_rows(live, drafter, chunk, max_new=max_new, eos=eos, sampling=sampling, row_ids=row_ids)
-        else:
-            blocks.append(block_decode(live, drafter, chunk[0], max_new=max_new, eos=eos, sampling=sampling, row=first))
-        seconds["block"] += time.perf_counter() - t0
-        for b in tree_budgets:
+        reference += [greedy(live, ids, max_new=settings.max_new, eos=settings.eos, sampling=settings.sampling, row=i)
+                      for i, ids in zip(row_ids, chunk)]
+        seconds[REFERENCE] += time.perf_counter() - t0
+        for v in variants:
             t0 = time.perf_counter()
-            if batch_size > 1:
-                trees[b] += decode_rows(live, drafter, chunk, max_new=max_new, eos=eos, budget=b, top_k=tree_top_k,
-                                        sampling=sampling, row_ids=row_ids)
-            else:
-                trees[b].append(tree_decode(live, drafter, chunk[0], max_new=max_new, eos=eos, budget=b,
-                                            top_k=tree_top_k, verify=tree_verify, sampling=sampling, row=first))
-            seconds[f"tree{b}"] += time.perf_counter() - t0
-        if progress:
-            new_tokens = sum(len(r.tokens) for r in blocks[-len(chunk):])
-            steps = [a + 1 for r in blocks for a in r.accepted]
-            progress(len(chunk), tokens=new_tokens, note=f"block tau {sum(steps) / max(len(steps), 1):.2f}")
-    return reference, blocks, trees, seconds
+            runs[v] += decode(v, live, drafter, chunk, row_ids, settings)
+            seconds[v.name] += time.perf_counter() - t0
+        if progress and variants:
+            lead = runs[variants[0]]
+            new_tokens = sum(len(r.tokens) for r in lead[-len(chunk):])
+            steps = [a + 1 for r in lead for a in r.accepted]
+            progress(len(chunk), tokens=new_tokens, note=f"{variants[0].label} tau {sum(steps) / max(len(steps), 1):.2f}")
+    return reference, runs, seconds

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.speculative.decode import Decoded
+from pipeline.records.eval_result import Variant, nest
 from pipeline.speculative.summary import tau_figures
 
 KINDS = ("thinking", "non_thinking", "tool_call")
@@ -52,20 +53,20 @@ def turn_kind(prompt: list[int], output: list[int], markers: TurnMarkers) -> str
     return "non_thinking"
 
 
-def _group(indices: list[int], blocks: list[Decoded], trees: dict[int, list[Decoded]]) -> dict:
-    return {"prompts": len(indices), "block": tau_figures([blocks[i] for i in indices]),
-            "tree": {str(b): tau_figures([runs[i] for i in indices]) for b, runs in trees.items()}}
+def _group(indices: list[int], runs: dict[Variant, list[Decoded]]) -> dict:
+    return {"prompts": len(indices), **nest({v: tau_figures([results[i] for i in indices]) for v, results in runs.items()})}
 
 
-def by_kind(prompts: list[list[int]], reference: list[Decoded], blocks: list[Decoded],
-            trees: dict[int, list[Decoded]], markers: TurnMarkers) -> dict:
-    """{kind: {prompts, block: tau figures, tree: {budget: tau figures}}} for the kinds present."""
+def by_kind(prompts: list[list[int]], reference: list[Decoded], runs: dict[Variant, list[Decoded]],
+            markers: TurnMarkers) -> dict:
+    """{kind: {prompts, block: tau figures, tree: {budget: tau figures}}} for the kinds present
+    (each variant where eval's JSON puts it: pipeline/records/eval_result.py)."""
     kinds = [turn_kind(p, g.tokens, markers) for p, g in zip(prompts, reference)]
-    return {k: _group([i for i, x in enumerate(kinds) if x == k], blocks, trees) for k in KINDS if k in kinds}
+    return {k: _group([i for i, x in enumerate(kinds) if x == k], runs) for k in KINDS if k in kinds}
 
 
-def by_field(field: str, values: list[dict], blocks: list[Decoded], trees: dict[int, list[Decoded]]) -> dict:
+def by_field(field: str, values: list[dict], runs: dict[Variant, list[Decoded]]) -> dict:
     """{"field": field, "groups": {value: the same figures}}; rows without it form MISSING."""
     keys = [str(v[field]) if field in v else MISSING for v in values]
-    return {"field": field, "groups": {k: _group([i for i, x in enumerate(keys) if x == k], blocks, trees)
+    return {"field": field, "groups": {k: _group([i for i, x in enumerate(keys) if x == k], runs)
                                        for k in sorted(set(keys))}}

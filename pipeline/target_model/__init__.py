@@ -23,9 +23,9 @@ from pipeline.target_model.facts import (
     read_target_facts,
     reserved_token_ids,
 )
-from pipeline.target_model.loading import frozen_target_modules, load_model, load_target_model, load_tokenizer
+from pipeline.target_model.loading import frozen_target_modules, load_target, load_target_on_layout, load_tokenizer
 from pipeline.target_model.resolve import RecordedTarget, recorded_in_cache, resolve_target
 
 __all__ = ["TOKENIZER_FILES", "RecordedTarget", "TargetFacts", "chat_template_sha256", "config_sha256", "end_of_turn_ids",
-           "frozen_target_modules", "identity_claims", "load_model", "load_target_model", "load_tokenizer",
+           "frozen_target_modules", "identity_claims", "load_target", "load_target_on_layout", "load_tokenizer",
            "read_target_facts", "recorded_in_cache", "reserved_token_ids", "resolve_target"]

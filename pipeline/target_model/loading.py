@@ -35,7 +35,7 @@ def load_tokenizer(path: Path):
         raise PipelineError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
 
 
-def load_model(path: Path, *, dtype=None, **kwargs):
+def load_target(path: Path, *, dtype=None, **kwargs):
     """The target model from a local directory (float32 unless told), eval mode; nothing downloaded."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -50,14 +50,14 @@ def load_model(path: Path, *, dtype=None, **kwargs):
     return model.eval()
 
 
-def load_target_model(target_dir: Path, dtype, device, layout, num_kv_heads: int):
+def load_target_on_layout(target_dir: Path, dtype, device, layout, num_kv_heads: int):
     """(model, tensor-parallel plan description or None): whole on `device`, or split over the
     tensor-parallel group of `layout` (pipeline.distributed.Layout) when its tp > 1."""
     kwargs, plan = {}, None
     if layout.tp > 1:
         from pipeline.target_model.tensor_parallel import tp_load_kwargs
         kwargs, plan = tp_load_kwargs(layout, num_kv_heads)
-    model = load_model(target_dir, dtype=dtype, **kwargs)
+    model = load_target(target_dir, dtype=dtype, **kwargs)
     if layout.tp == 1:
         model = model.to(device)
     return model, plan

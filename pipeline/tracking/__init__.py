@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.records.eval_result import flat, variants_in
 
 # Each tracker: its name (that of its optional extra too) -> its class in backends.py. A new tracker
 # is a class there and a line here; the options' help texts list these names.
@@ -161,11 +162,11 @@ def eval_figures(result: dict) -> dict[str, float]:
     eval's under `sampled_...` names, so the two never share a curve."""
     sampled = "sampled_" if result.get("sampling") else ""
     speedup = "speedup_vs_plain_sampling" if sampled else "speedup_vs_greedy"
-    out = {f"{sampled}block_tau_pooled": result["block"]["tau_pooled"],
-           f"{sampled}block_tau_mean_of_means": result["block"]["tau_mean_of_means"],
-           f"{sampled}block_{speedup}": result["block"][speedup], "prompts": result["prompts"]}
-    for budget, tree in result["tree"].items():
-        out[f"{sampled}ddtree{budget}_tau_pooled"] = tree["tau_pooled"]
+    out = {}
+    for v, figures in variants_in(result):  # each variant's tracked figures (pipeline/records/eval_result.py)
+        for figure in v.kind.tracked:
+            out.update(flat([(v, figures)], speedup if figure == "speedup" else figure, prefix=sampled))
+    out["prompts"] = result["prompts"]
     teacher = result.get("teacher_forced")
     if teacher:
         out.update(tau_walk=teacher["tau_walk"], tau_estimate=teacher["tau_estimate"])

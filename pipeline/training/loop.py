@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig, parse_loss
 from pipeline.records.train_log import LogLine, write_line
+from pipeline.records.verdicts import append_verdict
 from pipeline.report.live import LiveVerdicts, Verdict
 from pipeline.tracking import Trackers
 from pipeline.training.checkpoint import Position, save_on_all_ranks
@@ -20,7 +21,7 @@ from pipeline.training.objectives import needs_distribution
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
 from pipeline.training.stream import SampleStream, StreamState
-from pipeline.training.train_log import Interval, append_json, log_record
+from pipeline.training.train_log import Interval, log_record
 
 
 @dataclass
@@ -83,4 +84,4 @@ def _report(result: LoopOutput, log_file, trackers: Trackers, verdicts: LiveVerd
         result.fired.append(verdict)
         warn(verdict.line())
         trackers.event(verdict.step, verdict.cause, verdict.message, verdict.figure)
-        append_json(out / "verdicts.jsonl", asdict(verdict))
+        append_verdict(out, asdict(verdict))

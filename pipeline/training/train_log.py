@@ -1,12 +1,10 @@
 """Building a line of the training log (its schema, reader and writer: pipeline/records/
-train_log.py) from a step's results, and appending to its companion RUN/verdicts.jsonl."""
+train_log.py) from a step's results."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -39,7 +37,3 @@ def log_record(result: dict, trainer: StepRunner, interval: Interval, *, step, e
         loss_terms=dict(result["loss_terms"]) if trainer.cfg.loss != "ce" else {},
     )
 
-
-def append_json(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")

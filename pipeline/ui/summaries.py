@@ -10,6 +10,8 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
+from pipeline.records.eval_result import flat_in, grouped_labels, variants_in
+from pipeline.records.verify_result import VerifyResult
 from pipeline.ui import console, err_console, error, key_value_table, print_json
 
 # Verdict and check colours; anything unknown prints white rather than failing the render.
@@ -100,7 +102,7 @@ def show_eval(result: dict, json_out: bool) -> None:
         _eval_tables(result)
     # Said in both modes: a lossy result is a bug, and the JSON reader must not be the only one told.
     if result["lossless"] is False:
-        first = next(d for r in [result["block"], *result["tree"].values()] for d in r["mismatches"])
+        first = next(d for _, r in variants_in(result) for d in r["mismatches"])
         where = (f"prompt {first['prompt']}, generated token {first['position']}: greedy {first['greedy_token']}, "
                  f"speculative {first['speculative_token']}"
                  + (f", {first['gap']:.3g} logits below the best (a tie is within {first['tolerance']:.3g})"
@@ -109,17 +111,18 @@ def show_eval(result: dict, json_out: bool) -> None:
 
 
 def _group_table(title: str, groups: dict) -> None:
-    """Pooled tau (mean of per-response means) per group, block and each tree budget."""
+    """Pooled tau (mean of per-response means) per group, each variant a column."""
     if not groups:
         return
-    budgets = list(next(iter(groups.values()))["tree"])
+    columns = [v for v, _ in variants_in(next(iter(groups.values())))]
     table = Table(title=title, title_justify="left")
-    for col in ("group", "prompts", "block tau", *(f"ddtree {b} tau" for b in budgets)):
+    for col in ("group", "prompts", *(f"{v.label} tau" for v in columns)):
         table.add_column(col)
     def cell(f: dict) -> str:
         return f"{f['tau_pooled']:.2f} ({f['tau_mean_of_means']:.2f})"
     for name, g in groups.items():
-        table.add_row(name, str(g["prompts"]), cell(g["block"]), *(cell(g["tree"][b]) for b in budgets))
+        figures = dict(variants_in(g))
+        table.add_row(name, str(g["prompts"]), *(cell(figures[v]) for v in columns))
     console.print(table)
 
 
@@ -137,7 +140,7 @@ def _eval_tables(result: dict) -> None:
                "tok/s", f"speed vs {baseline}"]
     for col in columns + ([] if sampling else ["identical to greedy"]):
         table.add_column(col)
-    rows = [("block", result["block"])] + [(f"ddtree {b}", r) for b, r in result["tree"].items()]
+    rows = [(v.label, r) for v, r in variants_in(result)]
     for name, r in rows:
         speedup = r["speedup_vs_plain_sampling"] if sampling else r["speedup_vs_greedy"]
         cells = [name, f"{r['tau_mean_of_means']:.2f}", f"{r['tau_pooled']:.2f}", f"{r['verify_passes_per_token']:.3f}",
@@ -206,16 +209,15 @@ def _report_tables(result: dict) -> None:
 
 
 def _report_eval(decoded: dict) -> None:
-    """Decoded tau (pooled) overall and per kind of turn, block and each DDTree budget."""
-    budgets = list(decoded["tree"])
+    """Decoded tau (pooled) overall and per kind of turn, each variant a column."""
+    columns = [v for v, _ in variants_in(decoded)]
     table = Table(title=f"decoded tau ({decoded['file']}: {decoded['prompts']} prompts, outputs identical to "
                         f"greedy: {'yes' if decoded['lossless'] else 'NO'})", title_justify="left")
-    for col in ("turns", "prompts", "block", *(f"DDTree {b}" for b in budgets)):
+    for col in ("turns", "prompts", *(v.plot_label for v in columns)):
         table.add_column(col)
-    table.add_row("all", str(decoded["prompts"]), f"{decoded['block']:.2f}", *(f"{decoded['tree'][b]:.2f}" for b in budgets))
-    for kind, g in decoded["by_kind"].items():
-        table.add_row(kind.replace("_", "-"), str(g["prompts"]), f"{g['block']:.2f}",
-                      *(f"{g['tree'][b]:.2f}" if b in g["tree"] else "-" for b in budgets))
+    for name, g in [("all", decoded), *((kind.replace("_", "-"), g) for kind, g in decoded["by_kind"].items())]:
+        figures = dict(variants_in(g))
+        table.add_row(name, str(g["prompts"]), *(f"{figures[v]:.2f}" if v in figures else "-" for v in columns))
     console.print(table)
 
 
@@ -270,21 +272,22 @@ def show_verify(result: dict, json_out: bool) -> None:
     if json_out:
         print_json(result)
         return
+    verified = VerifyResult.from_json(result)
     # The cache path and the checks' evidence quote files and user text: escaped, never read as markup.
-    table = Table(title=f"verify-cache {escape(result['cache'])}", title_justify="left")
+    table = Table(title=f"verify-cache {escape(verified.cache)}", title_justify="left")
     table.add_column("check", style="bold")
     table.add_column("status")
     table.add_column("evidence")
-    for check in result["checks"]:
-        table.add_row(check["check"], f"[{CHECK_COLOURS[check['status']]}]{check['status']}[/]", escape(check["summary"]))
+    for check in verified.checks:
+        table.add_row(check.check, f"[{CHECK_COLOURS[check.status]}]{check.status}[/]", escape(check.summary))
         # The first few problems only: the full list is in the --json document.
-        for problem in (check["evidence"].get("problems") or check["evidence"].get("failures")
-                        or check["evidence"].get("mismatched") or [])[:5]:
+        for problem in (check.evidence.get("problems") or check.evidence.get("failures")
+                        or check.evidence.get("mismatched") or [])[:5]:
             table.add_row("", "", f"[red]{escape(problem)}[/]")
     console.print(table)
-    unsure = [c["check"] for c in result["checks"] if c["status"] == "inconclusive"]
+    unsure = verified.with_status("inconclusive")
     note = f" [yellow](inconclusive: {', '.join(unsure)})[/]" if unsure else ""
-    console.print(("[bold green]all checks passed[/]" if result["passed"] else "[bold red]verification FAILED[/]") + note)
+    console.print(("[bold green]all checks passed[/]" if verified.passed else "[bold red]verification FAILED[/]") + note)
 
 
 def show_demo_step(message: str) -> None:
@@ -307,12 +310,12 @@ def show_demo(summary: dict, json_out: bool) -> None:
                      f"avg_streak {t['avg_streak']:.2f} (teacher-forced)"),
         ("eval", f"{e['prompts']} held-out prompts, outputs identical to greedy: {'yes' if e['lossless'] else 'NO'}"),
         ("tau (block)", f"{e['block_tau_mean_of_means']:.2f} mean of per-response means, {e['block_tau_pooled']:.2f} pooled"),
-        # The demo's keys ddtree<budget>_tau_pooled: one row per tree budget.
-        *[(f"tau (DDTree {k[6:].split('_')[0]})", f"{v:.2f} pooled") for k, v in e.items() if k.startswith("ddtree")],
-        # Per kind of turn: block / each DDTree budget, pooled.
+        # The demo's keys <variant>_tau_pooled (ddtree8_tau_pooled): one row per DDTree budget.
+        *[(f"tau ({v.plot_label})", f"{x:.2f} pooled") for v, x in flat_in(e, "tau_pooled") if v.kind.parametrised],
+        # Per kind of turn: each variant, pooled.
         *[(f"tau, {kind.replace('_', '-')} turns", f"{g['prompts']} prompts: " + " / ".join(
-            f"{v:.2f}" for k, v in g.items() if k.endswith("_tau_pooled")) + " (block / DDTree " + ", ".join(
-            k[6:].split('_')[0] for k in g if k.startswith("ddtree")) + ")") for kind, g in e.get("by_kind", {}).items()],
+            f"{x:.2f}" for _, x in flat_in(g, "tau_pooled")) + f" ({grouped_labels([v for v, _ in flat_in(g, 'tau_pooled')])})")
+          for kind, g in e.get("by_kind", {}).items()],
         ("drafter", t["drafter"]),
         ("report", ", ".join(summary["report"]["plots"])),
         # The timings' keys are <step>_s, shown as '<step> N s'.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.cache.reader import ShardReader
+from pipeline.records.verify_result import CheckLine
 
 
 @dataclass
@@ -19,9 +20,10 @@ class Check:
     skipped: bool = False
     inconclusive: bool = False   # ran, but the data cannot tell pass from fail (does not fail verification)
 
-    def record(self) -> dict:
+    def line(self) -> CheckLine:
+        """Its line in the verify result (pipeline/records/verify_result.py)."""
         status = "skipped" if self.skipped else "inconclusive" if self.inconclusive else ("pass" if self.passed else "fail")
-        return {"check": self.name, "status": status, "summary": self.summary, "evidence": self.evidence}
+        return CheckLine(self.name, status, self.summary, self.evidence)
 
 
 class SampleList:

@@ -12,7 +12,8 @@ import pytest
 import zarr
 from numcodecs import Zstd
 
-from extract_helpers import cli, cli_here, hash_files_on_disk, manifest_json, shard_digest, write_rows
+from harness.caches import hash_files_on_disk, manifest_json, shard_digest
+from harness.runs import cli, cli_here, write_rows
 from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.cache.address import open_location
 from pipeline.cache.reader import CacheReader, ShardReader

@@ -3,30 +3,12 @@ the cache lists only whole shards, and re-running the same command completes it 
 content of an uninterrupted run."""
 
 import json
-import os
-import subprocess
 import sys
 
-import pytest
-
-from extract_helpers import (REPO, assert_same_content, cli, file_size_limit, in_namespace, manifest_json, needs_tmpfs,
-                             shard_digest)
-from stages.verify import run_verify
-
-SHARDS, BATCH_TOKENS = 3, 256
-PHASES = {"extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.committed"}
-
-
-@pytest.fixture(scope="module")
-def data(twelve_rows_cache):
-    return twelve_rows_cache["data"]
-
-
-@pytest.fixture(scope="module")
-def reference(twelve_rows_cache):
-    """The conftest's cache of these rows: SHARDS shards of BATCH_TOKENS-token batches."""
-    assert (SHARDS, BATCH_TOKENS) == (3, 256)  # what the shared cache was extracted with
-    return twelve_rows_cache["cache"]
+from harness.caches import assert_same_content, manifest_json, shard_digest
+from harness.kill_trials import BATCH_TOKENS, SHARDS, checked_trials
+from harness.marks import needs_tmpfs
+from harness.runs import cli, file_size_limit, in_namespace
 
 
 def extract_args(cache, data):
@@ -51,46 +33,11 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
     of chunks compressed and written, shard's files durable before its record, record written)
     and 3 kills after a random delay (test_object_store.py runs the same against a bucket); the writer runs inline in half of them and on its background thread in the
     other half."""
-    aimed = kill_trials(tmp_path, data, reference, per_failpoint=3, timed=3)
+    aimed = checked_trials(tmp_path, data, reference, per_failpoint=3, timed=3)
     # The phases left what they should: a kill after the files, before the record, leaves a shard
     # directory that no reader sees and the resume redoes; one right after the record, a committed shard.
     assert all(t["after_kill"]["partial"] for t in aimed if t["failpoint"].startswith("writer.fsynced"))
     assert all(t["after_kill"]["listed"] for t in aimed if t["failpoint"].startswith("writer.committed"))
-
-
-def kill_trials(tmp_path, data, reference, *, per_failpoint: int, timed: int, s3: dict | None = None,
-                env: dict | None = None) -> list[dict]:
-    """Run tests/kill_trials.py and check every trial: nothing partial ever looks committed, every
-    resume completes exactly the missing shards, and the content equals an uninterrupted run's.
-    Returns the trials aimed at failpoints."""
-    plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
-            "seed": 9, "per_failpoint": per_failpoint, "timed": timed, **({"s3": s3} if s3 else {}),
-            # small files, so that kills land between the file writes of a shard, not only at its commit
-            "chunking": {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256,
-                         "small_chunks_per_file": 4}}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    result = subprocess.run([sys.executable, "tests/kill_trials.py", str(tmp_path / "plan.json")], cwd=REPO,
-                            capture_output=True, text=True, timeout=900,
-                            env={**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PIPELINE_FAILPOINT": ""})
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
-    trials = report["trials"]
-    aimed = [t for t in trials if "failpoint" in t]
-    assert len(aimed) == per_failpoint * len(PHASES) and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
-    assert {t["failpoint"].split("@")[0] for t in aimed} == PHASES
-    assert sum(t["run"] == "killed" for t in trials) >= len(aimed) + (1 if timed else 0)
-    for t in trials:
-        after = t["after_kill"]
-        assert after["listed_intact"], t  # never a partial shard listed as committed
-        assert t["resume"] == "ok", t
-        assert t["resumed_shards_written"] == SHARDS - len(after["listed"]), t
-        done = t["after_resume"]
-        assert len(done["listed"]) == SHARDS and done["listed_intact"], t
-        assert not done["partial"], t
-        cache = tmp_path / os.path.basename(t["cache"])
-        assert_same_content(cache, reference)
-        assert run_verify(cache, tail_rate=0)["passed"], t  # content is already compared exactly above
-    return aimed
 
 
 def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from extract_helpers import manifest_json, small_cache
+from harness.caches import manifest_json
+from harness.runs import small_cache
 from pipeline.cache.identity import parse_identity
 from pipeline.cache.manifest import read_manifest
 from pipeline.errors import PipelineError

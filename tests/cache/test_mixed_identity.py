@@ -7,7 +7,7 @@
    shard 1 of a cache extracted with other taps copied over (`cp -r`, `aws s3 sync`).
 2. extract refuses a store that does not honour create-if-absent writes, before it writes
    anything (a real relay in front of moto's server that drops `If-None-Match`: see
-   tests/s3_helpers.py `ForgetfulRelay`), and never commits a shard once the manifest it
+   harness/s3_server.py `ForgetfulRelay`), and never commits a shard once the manifest it
    created or adopted has been replaced by another identity.
 """
 
@@ -26,14 +26,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from extract_helpers import ARRAYS, REPO, cli, cli_here, edit_record
+from harness.caches import ARRAYS, edit_record
+from harness.runs import REPO, cli, cli_here
 from pipeline.cache.address import open_location
 from pipeline.cache.manifest import create_manifest, identity_conflicts, read_manifest
 from pipeline.cache.reader import CacheReader, open_cache
 from pipeline.cache.store_probe import check_create_if_absent
 from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
-from s3_helpers import ForgetfulRelay, MotoServer, needs_s3, objects, use_server
+from harness.marks import needs_s3
+from harness.s3_server import ForgetfulRelay, objects, use_server
 from stages.extract import run_extract
 
 
@@ -192,28 +194,21 @@ def test_a_directory_honours_create_if_absent(tmp_path):
     assert list((tmp_path / "cache").iterdir()) == []  # the probe leaves nothing
 
 
-@pytest.fixture(scope="module")
-def moto():
-    server = MotoServer()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
-def forgetful(moto):
-    relay = ForgetfulRelay(moto.port)
+def forgetful(s3_server):
+    relay = ForgetfulRelay(s3_server.port)
     yield relay
     relay.stop()
 
 
 @needs_s3
-def test_extract_refuses_a_store_that_ignores_create_if_absent(moto, forgetful, twelve_rows_cache):
+def test_extract_refuses_a_store_that_ignores_create_if_absent(s3_server, forgetful, twelve_rows_cache):
     """Two extracts of different taps started together into one prefix of a store that accepts a
     second conditional PUT: both stop in one line before writing anything (before this check,
     one exited 0 and the cache's manifest named taps its shards did not hold)."""
-    bucket = moto.new_bucket()
+    bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/hs"
-    env = {**os.environ, **moto.env(forgetful.endpoint), "COLUMNS": "200", "NO_COLOR": "1"}
+    env = {**os.environ, **s3_server.env(forgetful.endpoint), "COLUMNS": "200", "NO_COLOR": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "cli", "extract", "--data", str(twelve_rows_cache["data"]),
                                "--cache", url, "--num-shards", "3", "--layers", layers], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -224,38 +219,38 @@ def test_extract_refuses_a_store_that_ignores_create_if_absent(moto, forgetful, 
         lines = stderr.strip().splitlines()
         assert len(lines) == 1, stderr
         assert lines[0].startswith(f"error: {url}: the store does not honour create-if-absent writes"), lines[0]
-    assert objects(moto.client(), bucket) == {}
+    assert objects(s3_server.client(), bucket) == {}
     # What the relay saw: each extract's probe, two conditional writes and one delete, before anything else.
     assert [m for m, _, _ in forgetful.requests].count("PUT") == 4
     assert all(had for m, _, had in forgetful.requests if m == "PUT")
 
 
 @needs_s3
-def test_the_probe_costs_three_requests_and_passes_on_moto(moto, forgetful, monkeypatch):
-    bucket = moto.new_bucket()
-    use_server(monkeypatch, moto.env())
+def test_the_probe_costs_three_requests_and_passes_on_moto(s3_server, forgetful, monkeypatch):
+    bucket = s3_server.new_bucket()
+    use_server(monkeypatch, s3_server.env())
     probe = check_create_if_absent(open_location(f"s3://{bucket}/hs"))
-    assert objects(moto.client(), bucket) == {}
-    use_server(monkeypatch, moto.env(forgetful.endpoint))
+    assert objects(s3_server.client(), bucket) == {}
+    use_server(monkeypatch, s3_server.env(forgetful.endpoint))
     with pytest.raises(PipelineError, match="does not honour create-if-absent"):
         check_create_if_absent(open_location(f"s3://{bucket}/hs"))
     methods = [m for m, _, _ in forgetful.requests]
     assert methods[:2] == ["PUT", "PUT"] and len(methods) == 3 and methods[2] in ("DELETE", "POST")
-    assert objects(moto.client(), bucket) == {}
+    assert objects(s3_server.client(), bucket) == {}
     assert probe.milliseconds > 0
 
 
 @needs_s3
-def test_a_replaced_manifest_is_seen_on_such_a_store(moto, forgetful, twelve_rows_cache, monkeypatch):
+def test_a_replaced_manifest_is_seen_on_such_a_store(s3_server, forgetful, twelve_rows_cache, monkeypatch):
     """On the forgetful store both creators 'create' manifest.json; the second one's read-back
     holds its own identity, and the first one's check before each commit sees the other."""
-    bucket = moto.new_bucket()
+    bucket = s3_server.new_bucket()
     reference = read_manifest(twelve_rows_cache["cache"])  # stands for the first extract's manifest
     theirs_capture = dataclasses.replace(reference.identity.capture, target_layer_ids=[0, 2, 4])
     theirs = dataclasses.replace(reference, identity=dataclasses.replace(reference.identity, capture=theirs_capture),
                                  shards={})
     mine = dataclasses.replace(reference, shards={})
-    use_server(monkeypatch, moto.env(forgetful.endpoint))
+    use_server(monkeypatch, s3_server.env(forgetful.endpoint))
     location = open_location(f"s3://{bucket}/hs")
     first, created_first = create_manifest(location, mine)
     second, created_second = create_manifest(location, theirs)
@@ -266,13 +261,13 @@ def test_a_replaced_manifest_is_seen_on_such_a_store(moto, forgetful, twelve_row
 
 
 @needs_s3
-def test_cache_local_copies_refuse_a_mixed_bucket(moto, mixed, tmp_path, monkeypatch):
-    bucket = moto.new_bucket()
-    client = moto.client()
+def test_cache_local_copies_refuse_a_mixed_bucket(s3_server, mixed, tmp_path, monkeypatch):
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
     for path in sorted(p for p in mixed.rglob("*") if p.is_file()):
         client.put_object(Bucket=bucket, Key=f"hs/{path.relative_to(mixed).as_posix()}", Body=path.read_bytes())
     url = f"s3://{bucket}/hs"
-    use_server(monkeypatch, moto.env())
+    use_server(monkeypatch, s3_server.env())
     with pytest.raises(PipelineError) as e:
         open_cache(url, local=tmp_path / "copies", local_size="1G")
     _assert_names_the_shard(str(e.value), url)

@@ -16,38 +16,21 @@ import time
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, manifest_json
-from s3_helpers import KEY_ID, SECRET, MotoServer, Outage, download, needs_s3, objects, use_server
+from harness.caches import assert_same_content, manifest_json
+from harness.kill_trials import BATCH_TOKENS, SHARDS, checked_trials
+from harness.marks import needs_s3
+from harness.runs import REPO
+from harness.s3_server import KEY_ID, SECRET, MotoServer, Outage, download, objects, use_server
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify
 
 pytestmark = needs_s3
-SHARDS, BATCH_TOKENS = 3, 256
-
-
-@pytest.fixture(scope="module")
-def server():
-    moto = MotoServer()
-    yield moto
-    moto.stop()
 
 
 @pytest.fixture
-def s3_env(server, monkeypatch):
-    return use_server(monkeypatch, server.env())
-
-
-@pytest.fixture(scope="module")
-def data(twelve_rows_cache):
-    return twelve_rows_cache["data"]
-
-
-@pytest.fixture(scope="module")
-def reference(twelve_rows_cache):
-    """The conftest's cache of these rows: SHARDS shards of BATCH_TOKENS-token batches."""
-    assert (SHARDS, BATCH_TOKENS) == (3, 256)  # what the shared cache was extracted with
-    return twelve_rows_cache["cache"]
+def s3_env(s3_server, monkeypatch):
+    return use_server(monkeypatch, s3_server.env())
 
 
 def extract_cfg(cache: str, data, **kwargs) -> ExtractConfig:
@@ -72,11 +55,11 @@ def error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
-def test_a_bucket_cache_is_the_directory_cache_byte_for_byte(server, s3_env, data, reference, tmp_path):
-    bucket = server.new_bucket()
+def test_a_bucket_cache_is_the_directory_cache_byte_for_byte(s3_server, s3_env, data, reference, tmp_path):
+    bucket = s3_server.new_bucket()
     summary = run_extract(extract_cfg(f"s3://{bucket}/hs", data), None, progress=False)
     assert summary["shards_written"] == SHARDS and summary["cache"] == f"s3://{bucket}/hs"
-    stored = objects(server.client(), bucket, "hs/")
+    stored = objects(s3_server.client(), bucket, "hs/")
     on_disk = directory_files(reference)
     # Every shard file is the same bytes (manifest.json records when and where, so it differs).
     shard_files = {k for k in on_disk if k.startswith("shard-")}
@@ -91,20 +74,20 @@ def test_a_bucket_cache_is_the_directory_cache_byte_for_byte(server, s3_env, dat
         assert report["passed"], [c for c in report["checks"] if c["status"] == "fail"]
         assert report["cache"] == where
     # Copied either way, a cache verifies where it lands.
-    copied = download(server.client(), bucket, "hs/", tmp_path / "copied")
+    copied = download(s3_server.client(), bucket, "hs/", tmp_path / "copied")
     assert run_verify(str(copied), tail_rate=0)["passed"]
-    other = server.new_bucket()
+    other = s3_server.new_bucket()
     for rel, blob in directory_files(reference).items():
-        server.client().put_object(Bucket=other, Key=f"up/{rel}", Body=blob)
+        s3_server.client().put_object(Bucket=other, Key=f"up/{rel}", Body=blob)
     assert run_verify(f"s3://{other}/up", tail_rate=0)["passed"]
 
 
-def test_training_from_a_bucket_equals_training_from_a_directory(server, s3_env, data, reference, tmp_path):
+def test_training_from_a_bucket_equals_training_from_a_directory(s3_server, s3_env, data, reference, tmp_path):
     from stages.train import resolve_config, run_train
 
-    bucket = server.new_bucket()
+    bucket = s3_server.new_bucket()
     for rel, blob in directory_files(reference).items():
-        server.client().put_object(Bucket=bucket, Key=f"c/{rel}", Body=blob)
+        s3_server.client().put_object(Bucket=bucket, Key=f"c/{rel}", Body=blob)
     losses = {}
     copies = tmp_path / "copies"
     for name, cache, local in (("directory", str(reference), None), ("bucket", f"s3://{bucket}/c", None),
@@ -122,20 +105,20 @@ def test_training_from_a_bucket_equals_training_from_a_directory(server, s3_env,
     assert kept and sum(p.stat().st_size for p in kept) <= 64 * 1024  # the budget holds
     for p in kept:  # each copy is its object, byte for byte
         rel = p.relative_to(next(copies.iterdir())).as_posix()
-        assert p.read_bytes() == server.client().get_object(Bucket=bucket, Key=f"c/{rel}")["Body"].read()
+        assert p.read_bytes() == s3_server.client().get_object(Bucket=bucket, Key=f"c/{rel}")["Body"].read()
 
 
-def test_local_copies_serve_rereads_within_their_budget(server, s3_env, reference):
+def test_local_copies_serve_rereads_within_their_budget(s3_server, s3_env, reference):
     """Two passes over every sample through --cache-local's copies: the second pass is served from
     disk where the budget allows, and what is read equals the directory cache."""
-    from extract_helpers import ARRAYS
+    from harness.caches import ARRAYS
     from pipeline.cache.local_copy import LocalCopies
     from pipeline.cache.address import open_location
     from pipeline.cache.reader import CacheReader
 
-    bucket = server.new_bucket()
+    bucket = s3_server.new_bucket()
     for rel, blob in directory_files(reference).items():
-        server.client().put_object(Bucket=bucket, Key=f"c/{rel}", Body=blob)
+        s3_server.client().put_object(Bucket=bucket, Key=f"c/{rel}", Body=blob)
     want = CacheReader(reference)
     copies = LocalCopies(open_location(f"s3://{bucket}/c"), reference.parent / "copies", 10**9)
     got = CacheReader(copies)
@@ -149,9 +132,9 @@ def test_local_copies_serve_rereads_within_their_budget(server, s3_env, referenc
 
 
 @pytest.mark.parametrize("where", ["bucket", "directory without locks"])
-def test_concurrent_writers_of_one_cache_never_lose_each_others_shards(server, s3_env, data, reference, tmp_path, where):
+def test_concurrent_writers_of_one_cache_never_lose_each_others_shards(s3_server, s3_env, data, reference, tmp_path, where):
     if where == "bucket":
-        cache = f"s3://{server.new_bucket()}/shared"
+        cache = f"s3://{s3_server.new_bucket()}/shared"
         extra = []
     else:
         cache = str(tmp_path / "shared")
@@ -166,18 +149,18 @@ def test_concurrent_writers_of_one_cache_never_lose_each_others_shards(server, s
     written = sum(json.loads(out)["shards_written"] for (out, _), _ in results)
     assert written == SHARDS
     if where == "bucket":
-        local = download(server.client(), cache.split("/")[2], "shared/", tmp_path / "from-bucket")
+        local = download(s3_server.client(), cache.split("/")[2], "shared/", tmp_path / "from-bucket")
     else:
         local = tmp_path / "shared"
     assert sorted(manifest_json(local)["shards"]) == [f"shard-{i:05d}" for i in range(SHARDS)]
     assert_same_content(local, reference)
 
 
-def test_a_store_cut_off_mid_commit_fails_in_one_line_and_the_rerun_resumes(server, s3_env, data, reference, tmp_path):
+def test_a_store_cut_off_mid_commit_fails_in_one_line_and_the_rerun_resumes(s3_server, s3_env, data, reference, tmp_path):
     """The client retries, then gives up in one line naming the shard; nothing half-written looks
     committed; with the store back, the same command completes the cache to the reference's bytes."""
-    bucket = server.new_bucket()
-    relay = Outage(server.port)
+    bucket = s3_server.new_bucket()
+    relay = Outage(s3_server.port)
     env = {**s3_env, "AWS_ENDPOINT_URL": relay.endpoint, "DFLASH_S3_RETRY_SECONDS": "2"}
     args = ["extract", "--cache", f"s3://{bucket}/c", "--data", str(data), "--num-shards", str(SHARDS),
             "--batch-tokens", str(BATCH_TOKENS)]
@@ -196,12 +179,12 @@ def test_a_store_cut_off_mid_commit_fails_in_one_line_and_the_rerun_resumes(serv
     assert len(lines) == 1 and "shard-00001: write failed" in lines[0] and "cannot reach the endpoint" in lines[0], stderr
     assert "Traceback" not in stderr and SECRET not in stderr
     relay.restore()
-    stored = objects(server.client(), bucket, "c/")
+    stored = objects(s3_server.client(), bucket, "c/")
     assert "shard-00001/digests.json" not in stored and "shard-00000/digests.json" in stored
     resumed = run_cli(*args, "--json", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["shards_written"] == SHARDS - 1
-    assert_same_content(download(server.client(), bucket, "c/", tmp_path / "final"), reference)
+    assert_same_content(download(s3_server.client(), bucket, "c/", tmp_path / "final"), reference)
 
 
 def _state(pid: int) -> str:
@@ -221,7 +204,7 @@ def in_process(*args, env: dict):
     return result
 
 
-def test_bad_locations_fail_in_one_line_with_nothing_committed(server, s3_env, data, tmp_path):
+def test_bad_locations_fail_in_one_line_with_nothing_committed(s3_server, s3_env, data, tmp_path):
     def fails(cache: str, message: str, *extra, env: dict | None = None):
         result = in_process("extract", "--cache", cache, "--data", str(data), "--num-shards", str(SHARDS), *extra,
                             env=env or s3_env)
@@ -232,23 +215,23 @@ def test_bad_locations_fail_in_one_line_with_nothing_committed(server, s3_env, d
         return lines[0]
 
     fails("s3://no-such-bucket-here/c", "NoSuchBucket")
-    fails(f"s3://{server.new_bucket()}/c", "cannot reach the endpoint",
+    fails(f"s3://{s3_server.new_bucket()}/c", "cannot reach the endpoint",
           env={**s3_env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "DFLASH_S3_RETRY_SECONDS": "1"})
     fails("s3://Not_A_Bucket/c", "is not a valid S3 bucket name")
     fails("gs://bucket/c", "unsupported cache location scheme 'gs'")
 
-    bucket = server.new_bucket()
-    server.client().put_object(Bucket=bucket, Key="data/train.parquet", Body=b"someone else's")
+    bucket = s3_server.new_bucket()
+    s3_server.client().put_object(Bucket=bucket, Key="data/train.parquet", Body=b"someone else's")
     fails(f"s3://{bucket}/data", "holds train.parquet but no cache manifest.json")
-    assert set(objects(server.client(), bucket)) == {"data/train.parquet"}
+    assert set(objects(s3_server.client(), bucket)) == {"data/train.parquet"}
 
-    bucket = server.new_bucket()
+    bucket = s3_server.new_bucket()
     first = in_process("extract", "--cache", f"s3://{bucket}/c", "--data", str(data), "--num-shards", str(SHARDS),
                        "--shards", "0", env=s3_env)
     assert first.returncode == 0, first.stderr
-    before = objects(server.client(), bucket)
+    before = objects(s3_server.client(), bucket)
     fails(f"s3://{bucket}/c", "was created with a different configuration (capture.top_k: 32 -> 8", "--top-k", "8")
-    assert objects(server.client(), bucket) == before
+    assert objects(s3_server.client(), bucket) == before
 
     verify = in_process("verify-cache", "s3://no-such-bucket-here/c", env=s3_env)
     assert verify.returncode == 2 and len(error_lines(verify)) == 1 and "NoSuchBucket" in verify.stderr  # 2: cannot verify
@@ -268,18 +251,18 @@ def test_refused_credentials_are_one_line_without_the_secret(data, tmp_path):
         guarded.stop()
 
 
-def test_profile_files_supply_credentials_and_endpoint(server, data, tmp_path):
+def test_profile_files_supply_credentials_and_endpoint(s3_server, data, tmp_path):
     """No AWS_* keys in the environment: the named profile of the shared files is used."""
-    bucket = server.new_bucket()
+    bucket = s3_server.new_bucket()
     (tmp_path / "credentials").write_text(f"[team]\naws_access_key_id = {KEY_ID}\naws_secret_access_key = {SECRET}\n")
-    (tmp_path / "config").write_text(f"[profile team]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n")
+    (tmp_path / "config").write_text(f"[profile team]\nregion = us-east-1\nendpoint_url = {s3_server.endpoint}\n")
     env = {k: None for k in os.environ if k.startswith("AWS_")}  # None: unset for the call
     env.update(AWS_PROFILE="team", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
                AWS_CONFIG_FILE=str(tmp_path / "config"))
     result = in_process("extract", "--cache", f"s3://{bucket}/c", "--data", str(data), "--num-shards", str(SHARDS),
                         "--shards", "0", "--json", env=env)
     assert result.returncode == 0, result.stderr
-    assert "shard-00000/digests.json" in objects(server.client(), bucket, "c/")
+    assert "shard-00000/digests.json" in objects(s3_server.client(), bucket, "c/")
 
 
 def test_the_missing_extra_is_named_in_one_line(tmp_path):
@@ -290,15 +273,13 @@ def test_the_missing_extra_is_named_in_one_line(tmp_path):
     assert error_lines(result) == ['error: S3 caches need the optional extra: pip install "dflash-pipeline[s3]" (obstore)']
 
 
-def test_kill_9_against_a_bucket(server, s3_env, data, tmp_path):
+def test_kill_9_against_a_bucket(s3_server, s3_env, data, tmp_path):
     """kill -9 at every phase of extraction into a bucket (one trial per failpoint, one after a
     random delay; `DFLASH_S3_KILL_TRIALS=N` runs N per failpoint for a measurement): what a reader
     sees after the kill, judged on a copy read with boto3, is only whole shards, and every resume
     completes the cache to an uninterrupted run's bytes."""
-    from test_faults import kill_trials
-
     per_failpoint = int(os.environ.get("DFLASH_S3_KILL_TRIALS", "1"))
-    reference = tmp_path / "reference"  # kill_trials.py writes its own uninterrupted run here
-    aimed = kill_trials(tmp_path, data, reference, per_failpoint=per_failpoint, timed=per_failpoint,
-                        s3={"endpoint": server.endpoint, "bucket": server.new_bucket()}, env=s3_env)
+    reference = tmp_path / "reference"  # the trial driver writes its own uninterrupted run here
+    aimed = checked_trials(tmp_path, data, reference, per_failpoint=per_failpoint, timed=per_failpoint,
+                           s3={"endpoint": s3_server.endpoint, "bucket": s3_server.new_bucket()}, env=s3_env)
     assert all(t["after_kill"]["partial"] for t in aimed if t["failpoint"].startswith("writer.fsynced"))

@@ -8,7 +8,8 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import cli, cli_here, manifest_json, resign, small_cache
+from harness.caches import manifest_json, resign
+from harness.runs import cli, cli_here, small_cache
 from pipeline.cache.reader import CacheReader
 from pipeline.errors import PipelineError
 from stages.train import resolve_config, run_train

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 
 import pytest
-from extract_helpers import cli
+from harness.runs import cli
 from typer.testing import CliRunner
 
 from cli import app

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extract_helpers import cli_here
+from harness.runs import cli_here
 from pipeline.devices import resolve_device
 from pipeline.errors import PipelineError
 

@@ -90,10 +90,11 @@ FLOORS = [
     ("independent", ["pipeline.config", "pipeline.provenance", "manifests"]),
     ("independent", ["pipeline.tracking"]),
     ("independent", ["pipeline.report"]),
+    ("independent", ["pipeline.ui"]),
     ("independent", ["pipeline.records"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
                 "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.schedule", "pipeline.threads",
-                "pipeline.ui", "pipeline"]),
+                "pipeline"]),
 ]
 
 
@@ -208,3 +209,34 @@ def test_the_floor_and_cycle_rules_catch_what_they_forbid():
     assert floor_violations(shared) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def kit_offenders(root: Path) -> list[str]:
+    """Imports that break the kit's rule: the package (pipeline/, stages/, cli.py) imports neither
+    the test kit (harness/) nor a test module; a benchmark imports no test module (tests/ holds
+    tests and their fixtures only; what tests and benchmarks share lives in harness/)."""
+    test_modules = {p.stem for p in (root / "tests").rglob("*.py")} | {"tests"}
+    package = sorted((root / "pipeline").rglob("*.py")) + sorted((root / "stages").glob("*.py")) + [root / "cli.py"]
+    found = [f"{p.relative_to(root).as_posix()}:{line} imports {module}"
+             for p in package for line, module, _ in imports(p) if top(module) in test_modules | {"harness"}]
+    found += [f"{p.relative_to(root).as_posix()}:{line} imports the test module {module}"
+              for p in sorted((root / "benchmarks").glob("*.py")) + sorted((root / "harness").glob("*.py"))
+              for line, module, _ in imports(p) if top(module) in test_modules]
+    return found
+
+
+def test_the_package_and_the_benchmarks_import_no_test_module():
+    offenders = kit_offenders(ROOT)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_kit_rule_catches_what_it_forbids(tmp_path):
+    for folder, text in (("pipeline", "from harness.runs import cli\n"), ("benchmarks", "def f():\n    import conftest\n"),
+                         ("tests", "")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "x.py").write_text(text)
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text("")
+    (tmp_path / "cli.py").write_text("import json\n")
+    assert kit_offenders(tmp_path) == ["pipeline/x.py:1 imports harness.runs",
+                                       "benchmarks/x.py:2 imports the test module conftest"]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from extract_helpers import REPO
+from harness.runs import REPO
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 real vocabulary (248,320 rows; the embedded layer layout at hidden 64, built here by
 pipeline/toy/random_target.py): extract, verify-cache, train (mask id 248070), eval and generate,
 with reasoning and tool-call rows; the stored masks against the oracle written from DESIGN 3.5
-(tests/data/test_chat_shapes.py); and what a new user meets there: the generate row the template
+(harness/chat_shapes.py); and what a new user meets there: the generate row the template
 cannot prompt, the mask-token error, the inconclusive label check, `--show` without colour and
 with `--json`.
 """
@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from extract_helpers import REPO, cli_here, write_rows
+from harness.chat_shapes import MODES, SHAPES, as_row, oracle
+from harness.runs import REPO, cli_here, write_rows
 
 FIXTURES = REPO.parent / "shared" / "fixtures"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen3.6"
@@ -22,7 +23,6 @@ pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not (FIXTURES / "chat_
                                 reason=f"the real Qwen3.6 tokenizer/template fixtures are not at {FIXTURES} "
                                        "(the project's shared fixtures folder); these tests need them")
 
-from test_chat_shapes import MODES, SHAPES, TOOL_SHAPES, as_row, oracle  # noqa: E402
 
 MASK_ID = 248070
 
@@ -96,7 +96,7 @@ def test_recompute_accepts_near_ties_flipped_by_rounding_and_catches_a_wrong_arg
     still fails a stored argmax that is not a best logit."""
     import numpy as np
 
-    from extract_helpers import resign
+    from harness.caches import resign
     from pipeline.config import ExtractConfig
     from stages.extract import run_extract
     from stages.verify import run_verify

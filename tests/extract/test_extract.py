@@ -11,7 +11,8 @@ from pipeline.config import ExtractConfig
 from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.errors import PipelineError
 from stages.extract import run_extract
-from extract_helpers import assert_same_content, cli_here, decoded, manifest_json, write_rows
+from harness.caches import assert_same_content, decoded, manifest_json
+from harness.runs import cli_here, write_rows
 
 TAPS = [1, 3, 5]
 

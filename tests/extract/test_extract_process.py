@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from extract_helpers import REPO, assert_same_content, cli, cli_here, manifest_json, torchrun, write_rows
+from harness.caches import assert_same_content, manifest_json
+from harness.runs import REPO, cli, cli_here, torchrun, write_rows
 
 
 @pytest.fixture(scope="module")

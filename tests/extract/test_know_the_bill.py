@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import zarr
 
-from extract_helpers import cli_here, manifest_json
+from harness.caches import manifest_json
+from harness.runs import cli_here
 from pipeline.config import ExtractConfig
-from s3_helpers import ForgetfulRelay, MotoServer, needs_s3
+from harness.marks import needs_s3
+from harness.s3_server import ForgetfulRelay, MotoServer
 from stages.extract import run_extract
 
 EXTRACT = ["--num-shards", "3", "--batch-tokens", "256"]  # the twelve-row caches' settings
@@ -48,7 +50,7 @@ def alike(tmp_path_factory, train_rows):
     system turn) have the same hidden states over it, which zstd finds within a shard: the shared
     twelve rows put two such rows in shard 0 and one in each other shard, and shard 0's ratio
     then under-predicted the whole cache by 14% (BENCHMARKS.md "Know the bill")."""
-    from extract_helpers import write_rows
+    from harness.runs import write_rows
 
     root = tmp_path_factory.mktemp("alike")
     data = write_rows(root / "convs.jsonl", [r for r in train_rows if not r.get("tools")][:12])

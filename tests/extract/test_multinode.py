@@ -14,9 +14,11 @@ import sys
 
 import pytest
 
-from extract_helpers import REPO, manifest_json, small_cache, torchrun, write_rows
-from s3_helpers import MotoServer, download, needs_s3
-from s3_helpers import free_port
+from harness.caches import manifest_json
+from harness.marks import needs_s3
+from harness.runs import REPO, small_cache, torchrun, write_rows
+from harness.s3_server import MotoServer, download
+from harness.s3_server import free_port
 from pipeline.distributed import SHARED_STORE_OPT_OUT, elastic_restart_hazard
 
 SHARDS = 4

@@ -13,7 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from extract_helpers import REPO, cli, cli_here, manifest_json, torchrun, write_rows
+from harness.caches import manifest_json
+from harness.runs import REPO, cli, cli_here, torchrun, write_rows
 
 from pipeline.errors import PipelineError
 from stages.generate import run_generate

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from extract_helpers import cli, cli_here
+from harness.runs import cli, cli_here
 from pipeline.errors import PipelineError
 from stages.report import run_report
 
@@ -139,7 +139,7 @@ def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, trai
     import sys
     import time
 
-    from extract_helpers import REPO, small_cache
+    from harness.runs import REPO, small_cache
 
     cache = small_cache(tmp_path, train_rows[:64], 2)
     run = tmp_path / "run"

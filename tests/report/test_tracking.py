@@ -11,7 +11,7 @@ import os
 import struct
 
 import pytest
-from extract_helpers import cli, small_cache
+from harness.runs import cli, small_cache
 
 pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
 
@@ -194,7 +194,7 @@ def test_a_tracker_that_is_not_installed_is_one_line_naming_the_extra(tmp_path):
     import subprocess
     import sys
 
-    from extract_helpers import REPO
+    from harness.runs import REPO
 
     code = "import sys; sys.modules['trackio'] = None; sys.argv = ['pipeline'] + sys.argv[1:]; from cli import app; app()"
     result = subprocess.run([sys.executable, "-c", code, "train", "--cache", str(tmp_path / "none"), "--out",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from extract_helpers import cli, cli_here, small_cache
+from harness.runs import cli, cli_here, small_cache
 
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from extract_helpers import REPO, cli
+from harness.runs import REPO, cli
 
 from pipeline.data.loss_mask import render
 from pipeline.errors import PipelineError

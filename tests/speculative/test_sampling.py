@@ -2,7 +2,7 @@
 is inverse-transform sampling, the random numbers are keyed so batching changes nothing, and
 speculative sampling (block and DDTree) is lossless in distribution: samples of the first
 generated tokens and of whole short continuations against the target's exact distribution
-(plain forwards, tests/sampling_stats.py), with two planted faults caught and the test's power
+(plain forwards, harness/sampling_stats.py), with two planted faults caught and the test's power
 against them simulated from their exact distributions."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import block_decode, drafting, tree_decode
 from pipeline.speculative.sampling import LosslessRule, Sampling, draw, uniform
 from pipeline.target_model.live import LiveTarget
-from sampling_stats import categories, chi_square, exact_continuations, simulated_power
+from harness.sampling_stats import categories, chi_square, exact_continuations, simulated_power
 
 EOS = {498}
 ALPHA = 0.001          # the distribution test's level: a correct decoder fails it once in 1,000 seeds
@@ -232,7 +232,7 @@ def test_eval_cli_samples_and_refuses_sampling_options_without_a_temperature(tra
     """`pipeline eval --temperature`: the sampled figures against plain sampling, no identity
     claimed; --batch-size does not change them (keyed randomness); top-p / top-k without a
     temperature, or a negative one, are refused in one line."""
-    from extract_helpers import cli_here
+    from harness.runs import cli_here
 
     run = str(trained_run["run"])
     args = ["eval", "--drafter", run, "--limit", "3", "--tree-budget", "4", "--temperature", "0.7", "--top-p", "0.95",

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from extract_helpers import REPO
+from harness.runs import REPO
 from pipeline.errors import PipelineError
 from pipeline.generate.server import Server
 from pipeline.generate.turns import Turn

@@ -8,7 +8,7 @@ import math
 import random
 
 import pytest
-from extract_helpers import small_cache
+from harness.runs import small_cache
 
 from pipeline.faults import LR_BLOWUP_STEP, PLANT_ENV
 from pipeline.records.train_log import LogLine

@@ -1,7 +1,7 @@
 """Training order: a pure function of (shards, seed, epoch), independent of world size, resumable."""
 
 import pytest
-from extract_helpers import write_rows
+from harness.runs import write_rows
 
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig

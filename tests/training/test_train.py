@@ -12,8 +12,9 @@ import pytest
 import torch
 import zarr
 
-from extract_helpers import (REPO, cli, cli_here, edit_record, file_size_limit, in_namespace, manifest_json, needs_tmpfs, resign,
-                             small_cache, torchrun)
+from harness.caches import edit_record, manifest_json, resign
+from harness.marks import needs_tmpfs
+from harness.runs import REPO, cli, cli_here, file_size_limit, in_namespace, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
 from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.training.checkpoint import list_checkpoints

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.records.train_log import LOG_FILE, LogLine, read_train_log, trim_to_step
+from pipeline.records.train_log import LOG_FILE, LogLine, last_step, read_train_log, trim_to_step
 from pipeline.report.logs import read_run
 
 
@@ -52,6 +52,19 @@ def test_a_torn_last_line_is_left_out_and_trimming_keeps_lines_byte_for_byte(tmp
     trim_to_step(path, 20)
     assert path.read_text() == kept
     assert read_train_log(tmp_path / "absent.jsonl") == []
+
+
+def test_the_last_step_is_read_from_the_end_of_the_log(tmp_path):
+    """What `report --follow` polls: the step of the last complete line, the torn one skipped,
+    also when the tail it reads first holds no complete line."""
+    path = tmp_path / LOG_FILE
+    path.write_text("".join(f'{{"step": {s}, "loss": {1 / s}}}\n' for s in range(1, 301)) + '{"step": 301, "lo')
+    assert last_step(path) == 300 == read_train_log(path)[-1].step
+    assert last_step(path, tail_bytes=8) == 300     # the tail is less than a line: it reads further back
+    path.write_text('{"step": 5}\n{"step": 6')
+    assert last_step(path, tail_bytes=4) == 5
+    path.write_text('{"step": 6')
+    assert last_step(path) is None and last_step(tmp_path / "absent.jsonl") is None
 
 
 @pytest.mark.parametrize("content, says", [

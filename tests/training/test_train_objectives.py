@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from extract_helpers import cli_here
+from harness.runs import cli_here
 from stages.train import resolve_config, run_train
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import zarr
 
-from extract_helpers import cli, cli_here, edit_record, resign, write_rows
+from harness.caches import edit_record, resign
+from harness.runs import cli, cli_here, write_rows
 from pipeline.config import ExtractConfig
 from stages.extract import run_extract
 from stages.verify import run_verify

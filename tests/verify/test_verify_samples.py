@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import zarr
 
-from extract_helpers import cli, cli_here, manifest_json, resign, uncommit, write_rows
+from harness.caches import manifest_json, resign, uncommit
+from harness.runs import cli, cli_here, write_rows
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig, TrainConfig
 from pipeline.errors import PipelineError

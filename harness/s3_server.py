@@ -15,16 +15,12 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 try:
     import boto3
     import moto  # noqa: F401
     import obstore  # noqa: F401
 except ImportError:  # pragma: no cover - the [test] extra installs them
     boto3 = None
-
-needs_s3 = pytest.mark.skipif(boto3 is None, reason='needs the [test] extra (moto[server], obstore): pip install -e ".[test]"')
 
 KEY_ID, SECRET = "testing-key-id", "testing-secret-key-never-printed"
 

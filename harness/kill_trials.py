@@ -6,7 +6,10 @@ uninterrupted reference, each killed run, each resume) is a forked child running
 phase (pipeline/faults.py) or from the driver after a random delay. Forking saves the ~3 s of
 imports a fresh interpreter pays, which is what makes 20+ trials fit in CI.
 
-    python tests/kill_trials.py PLAN.json   ->  JSON results on stdout
+    python -m harness.kill_trials PLAN.json   ->  JSON results on stdout   (from the repository root)
+
+`run_trials` runs that driver in a new process; `checked_trials` (the fault and object-store
+tests) also asserts what every trial must show.
 
 PLAN: {"root", "data", "num_shards", "batch_tokens", "seed", "per_failpoint", "timed"}, and
 optionally "s3": {"endpoint", "bucket"} (credentials from the environment): each trial's cache is
@@ -20,23 +23,61 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-# Imported here, before any fork, so that no child pays for them (transformers imports the
-# model and tokenizer modules lazily, ~3 s).
-import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: E402, F401
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
-
-from pipeline import faults  # noqa: E402
-from extract_helpers import manifest_json, shard_digest  # noqa: E402
-from pipeline.config import ExtractConfig  # noqa: E402
-from stages.extract import run_extract  # noqa: E402
+from harness.caches import assert_same_content, manifest_json, shard_digest
+from harness.runs import REPO
 
 PHASES = ("extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.committed")
+SHARDS, BATCH_TOKENS = 3, 256
+# Small files, so that kills land between the file writes of a shard, not only at its commit.
+SMALL_FILES = {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256,
+               "small_chunks_per_file": 4}
+
+
+def run_trials(plan: dict, plan_path: Path, env: dict | None = None, timeout: float | None = 900) -> dict:
+    """Write `plan` to `plan_path` and run the driver on it in a new process: its JSON report, or
+    RuntimeError with the end of its stderr."""
+    plan_path.write_text(json.dumps(plan))
+    result = subprocess.run([sys.executable, "-m", "harness.kill_trials", str(plan_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PIPELINE_FAILPOINT": ""})
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return json.loads(result.stdout)
+
+
+def checked_trials(tmp_path: Path, data, reference: Path, *, per_failpoint: int, timed: int, s3: dict | None = None,
+                   env: dict | None = None) -> list[dict]:
+    """SHARDS shards of BATCH_TOKENS-token batches of `data`, killed per_failpoint times at random
+    hits of each failpoint and `timed` times after a random delay, each resumed; asserts that
+    nothing partial ever looks committed, every resume completes exactly the missing shards, and
+    the content equals `reference`'s (an uninterrupted run). Returns the trials aimed at failpoints."""
+    from stages.verify import run_verify
+
+    plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
+            "seed": 9, "per_failpoint": per_failpoint, "timed": timed, **({"s3": s3} if s3 else {}),
+            "chunking": SMALL_FILES}
+    trials = run_trials(plan, tmp_path / "plan.json", env)["trials"]
+    aimed = [t for t in trials if "failpoint" in t]
+    assert len(aimed) == per_failpoint * len(PHASES) and all(t["run"] == "killed" for t in aimed), [t["run"] for t in aimed]
+    assert {t["failpoint"].split("@")[0] for t in aimed} == set(PHASES)
+    assert sum(t["run"] == "killed" for t in trials) >= len(aimed) + (1 if timed else 0)
+    for t in trials:
+        after = t["after_kill"]
+        assert after["listed_intact"], t  # never a partial shard listed as committed
+        assert t["resume"] == "ok", t
+        assert t["resumed_shards_written"] == SHARDS - len(after["listed"]), t
+        done = t["after_resume"]
+        assert len(done["listed"]) == SHARDS and done["listed_intact"], t
+        assert not done["partial"], t
+        cache = tmp_path / os.path.basename(t["cache"])
+        assert_same_content(cache, reference)
+        assert run_verify(cache, tail_rate=0)["passed"], t  # content is already compared exactly above
+    return aimed
 
 
 def child(cache: Path | str, plan: dict, *, failpoint: str = "", writer_queue: int = 0, hits_file: Path | None = None,
@@ -47,6 +88,10 @@ def child(cache: Path | str, plan: dict, *, failpoint: str = "", writer_queue: i
         return pid
     code = 1
     try:
+        from pipeline import faults
+        from pipeline.config import ExtractConfig
+        from stages.extract import run_extract
+
         os.environ[faults.ENV] = failpoint
         cfg = ExtractConfig(cache=str(cache), data=[plan["data"]], num_shards=plan["num_shards"],
                             batch_tokens=plan["batch_tokens"], writer_queue=writer_queue,
@@ -91,6 +136,13 @@ def inspect(cache: Path) -> dict:
 
 
 def main(plan_path: str) -> None:
+    # Imported here, before any fork, so that no child pays for them (transformers imports the
+    # model and tokenizer modules lazily, ~3 s).
+    import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    import stages.extract  # noqa: F401
+
     plan = json.loads(Path(plan_path).read_text())
     root = Path(plan["root"])
     start = time.perf_counter()
@@ -114,7 +166,9 @@ def main(plan_path: str) -> None:
             import shutil
 
             import boto3
-            from s3_helpers import download
+
+            from harness.s3_server import download
+
             shutil.rmtree(view, ignore_errors=True)
             view.mkdir()
             download(boto3.client("s3", endpoint_url=plan["s3"]["endpoint"]), bucket, f"trial-{i:02d}/", view)

@@ -1,0 +1,47 @@
+"""eval's result record (pipeline/records/eval_result.py): the variant registry puts each
+variant's figures where `pipeline eval --json` has always put them and names them as the tables,
+trackers and the demo always have. The expected shapes and names are written out here by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.records.eval_result import (KINDS, flat, flat_in, grouped_labels, nest, pooled_taus, variants_in,
+                                          variants_of)
+
+RESULT = {"prompts": 3, "block": {"tau_pooled": 2.5, "tau_mean_of_means": 2.25, "speedup_vs_greedy": 1.5},
+          "tree": {"8": {"tau_pooled": 3.0}, "16": {"tau_pooled": 3.5}}, "lossless": True}
+
+
+def test_variants_in_walks_block_then_each_budget_in_the_result_order():
+    found = [(v.name, v.label, v.plot_label, v.scalar, figures["tau_pooled"]) for v, figures in variants_in(RESULT)]
+    assert found == [("block", "block", "block", "block", 2.5), ("tree8", "ddtree 8", "DDTree 8", "ddtree8", 3.0),
+                     ("tree16", "ddtree 16", "DDTree 16", "ddtree16", 3.5)]
+
+
+def test_nest_is_the_inverse_of_variants_in_and_keeps_the_json_key_order():
+    rebuilt = nest(dict(variants_in(RESULT)))
+    assert rebuilt == {"block": RESULT["block"], "tree": RESULT["tree"]}
+    assert list(rebuilt) == ["block", "tree"] and list(rebuilt["tree"]) == ["8", "16"]
+    assert nest({v: 0 for v in variants_of({})}) == {"block": 0, "tree": {}}  # no budgets: an empty tree, as eval writes
+
+
+def test_flat_names_and_their_reader():
+    scalars = flat(variants_in(RESULT), "tau_pooled", prefix="sampled_")
+    assert scalars == {"sampled_block_tau_pooled": 2.5, "sampled_ddtree8_tau_pooled": 3.0, "sampled_ddtree16_tau_pooled": 3.5}
+    demo = {"block_tau_mean_of_means": 2.25, "block_tau_pooled": 2.5, "ddtree16_tau_pooled": 3.5, "ddtree4_tau_pooled": 2.75,
+            "block_speedup_vs_greedy_cpu": 1.5, "prompts": 3}
+    assert [(v.name, x) for v, x in flat_in(demo, "tau_pooled")] == [("block", 2.5), ("tree16", 3.5), ("tree4", 2.75)]
+    assert grouped_labels([v for v, _ in flat_in(demo, "tau_pooled")]) == "block / DDTree 16, 4"
+
+
+def test_pooled_taus_needs_the_block_and_tolerates_no_trees():
+    assert pooled_taus(RESULT) == {"block": 2.5, "tree": {"8": 3.0, "16": 3.5}}
+    assert pooled_taus({"block": {"tau_pooled": 1}}) == {"block": 1.0, "tree": {}}
+    with pytest.raises(KeyError, match="block"):
+        pooled_taus({"tree": {}})
+
+
+def test_the_registry_order_is_the_variants_order():
+    assert [k.key for k in KINDS] == ["block", "tree"]
+    assert [v.name for v in variants_of({"tree": [4, 2]})] == ["block", "tree4", "tree2"]
