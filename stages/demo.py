@@ -16,7 +16,7 @@ from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import default_gamma
 from pipeline.embedded import TRAIN_DATA
-from pipeline.records.eval_result import flat, variants_in
+from pipeline.records.eval_result import EvalResult, flat, variants_in
 from pipeline.records.train_log import LOG_FILE
 from pipeline.records.verify_result import VerifyResult
 from pipeline.ui import ProgressBar, TrainView
@@ -86,6 +86,8 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
     timings["total_s"] = time.perf_counter() - t0
 
     last = trained["last"]
+    ev = EvalResult.from_json(evaluated)
+    blocks = [(v, f) for v, f in ev.variants.items() if v.name == "block"]
     summary = {
         "out": str(out),
         "cache": {"path": str(out / "cache"), "tokens": tokens, "bytes": stored, "bytes_per_token": stored / max(tokens, 1),
@@ -94,12 +96,11 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
         "train": {"steps": trained["steps"], "block_size": cfg.block_size, **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
                                                                            "ddtree_streak8")},
                   "drafter": trained["drafter"], "log": str(out / "run" / LOG_FILE)},
-        "eval": {"prompts": evaluated["prompts"], "lossless": evaluated["lossless"],
-                 "block_tau_mean_of_means": evaluated["block"]["tau_mean_of_means"],
-                 **flat(variants_in(evaluated), "tau_pooled"),
-                 "block_speedup_vs_greedy_cpu": evaluated["block"]["speedup_vs_greedy"],
-                 "tree_verify": evaluated["tree_verify"], "tree_verify_reason": evaluated["tree_verify_reason"],
-                 "by_kind": kind_taus(evaluated.get("by_kind", {}))},
+        "eval": {"prompts": ev.prompts, "lossless": ev.lossless,
+                 **flat(blocks, "tau_mean_of_means"), **flat(ev.variants.items(), "tau_pooled"),
+                 "block_speedup_vs_greedy_cpu": blocks[0][1]["speedup_vs_greedy"],
+                 "tree_verify": ev.tree_verify, "tree_verify_reason": ev.tree_verify_reason,
+                 "by_kind": kind_taus(ev.by_kind)},
         "report": {"plots": reported.get("plots", []),
                    "verdicts": {m: v.get("verdict") for m, v in reported["runs"][0]["verdicts"].items()}},
         "timings": timings,

@@ -21,7 +21,7 @@ from pipeline.cache.reader import open_cache
 from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
-from pipeline.records.eval_result import nest
+from pipeline.records.eval_result import EvalResult
 from pipeline.records.train_log import LOG_FILE
 from pipeline.training.run_record import resolve_drafter, target_mismatch
 from pipeline.speculative.teacher_forced import teacher_forced
@@ -51,12 +51,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     `group_by`, per value of that row field (pipeline/speculative/groups.py)."""
     device_, dtype_ = resolve_device(device, dtype)
     sampling = sampling_of(temperature, top_p, top_k, seed)
-    if tree_verify not in (*TREE_VERIFY, "auto"):
-        raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, auto; got {tree_verify!r}")
-    if batch_size < 1:
-        raise PipelineError(f"--batch-size must be >= 1, got {batch_size}")
-    if batch_size > 1 and tree_verify == "paths":
-        raise PipelineError("--batch-size > 1 verifies each prompt's tree in one pass over its nodes: use --tree-verify tree")
+    check_decoding_options(tree_verify, batch_size)
 
     drafter_dir, recorded = resolve_drafter(drafter_path)
     # Opened first: a cache that cannot be used (shards of another identity among them) is one
@@ -89,15 +84,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     tokenizer = load_tokenizer(target_dir)
     model = load_target(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, c.target_layer_ids)
-    tree_verify_reason = "asked for"
-    if tree_verify == "auto":
-        embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-                      for p in m.parameters()}
-        body = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-        tree_verify, tree_verify_reason = choose_tree_verify(body, batch_size=batch_size, takes_mask=takes_mask(model))
-    if (tree_budgets or batch_size > 1) and tree_verify == "tree" and not takes_mask(model):
-        raise PipelineError("the target's attention implementation takes no tree mask (sdpa and eager do): "
-                            "use --tree-verify paths and --batch-size 1")
+    tree_verify, tree_verify_reason = tree_verification(model, tree_verify, tree_budgets, batch_size)
     eos = end_of_turn_ids(tokenizer)
     items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
     if group_by and not any(group_by in item["fields"] for item in items):
@@ -120,34 +107,47 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     for v in summaries:
         if v.kind.parametrised:  # DDTree: the top-k its trees branch by
             summaries[v]["top_k"] = tree_top_k
-    extra = {}
-    if cache_reader is not None:
-        extra["teacher_forced"] = teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
-    result = {**extra,
-        "drafter": str(drafter_dir), "target": str(target_dir),
-        "target_differs_from_training": mismatch,     # None: the same config and weights as the run recorded
-        "prompts": len(items), "block_size": block,
-        "max_new_tokens": max_new_tokens,
-        "device": f"{device_} ({dtype_name(dtype_)})", "cpu_threads": torch.get_num_threads(),
-        "drafter_kv_cache": True,
-        "tree_verify": tree_verify, "tree_verify_reason": tree_verify_reason, "batch_size": batch_size,
-        "sampling": sampling.record() if sampled else None,
-        "plain_sampling" if sampled else "greedy": {
-            "tokens": greedy_tokens, "wall_s": seconds[REFERENCE],
-            "tokens_per_s": greedy_tokens / max(seconds[REFERENCE], 1e-9),
-            "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
-        **nest(summaries),
-        # Lossless: every output is greedy's, or first departs from it at a tie of the target (ties.py).
-        # Sampled: None, lossless in distribution by the rule (tested in tests/speculative/test_sampling.py).
-        "lossless": None if sampled else not any(not d.tie for found in departures.values() for d in found),
-    }
-    result["by_kind"] = by_kind(prompt_ids, reference, runs, TurnMarkers.of(tokenizer))
-    if group_by:
-        result["by_field"] = by_field(group_by, [item["fields"] for item in items], runs)
+    lossless = None if sampled else not any(not d.tie for found in departures.values() for d in found)
+    result = EvalResult(
+        drafter=str(drafter_dir), target=str(target_dir), target_differs_from_training=mismatch, prompts=len(items),
+        block_size=block, max_new_tokens=max_new_tokens, device=f"{device_} ({dtype_name(dtype_)})",
+        cpu_threads=torch.get_num_threads(), drafter_kv_cache=True, tree_verify=tree_verify,
+        tree_verify_reason=tree_verify_reason, batch_size=batch_size, sampling=sampling.record() if sampled else None,
+        reference={"tokens": greedy_tokens, "wall_s": seconds[REFERENCE],
+                   "tokens_per_s": greedy_tokens / max(seconds[REFERENCE], 1e-9),
+                   "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
+        variants=summaries, lossless=lossless, by_kind=by_kind(prompt_ids, reference, runs, TurnMarkers.of(tokenizer)),
+        by_field=by_field(group_by, [item["fields"] for item in items], runs) if group_by else None,
+        teacher_forced=(teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
+                        if cache_reader is not None else None))
     if report_to:
-        result["reported_to"] = {"trackers": report_to,
-                                 "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}
-    return result
+        result.reported_to = {"trackers": report_to,
+                              "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}
+    return result.to_json()
+
+
+def check_decoding_options(tree_verify: str, batch_size: int) -> None:
+    if tree_verify not in (*TREE_VERIFY, "auto"):
+        raise PipelineError(f"--tree-verify: must be one of {', '.join(TREE_VERIFY)}, auto; got {tree_verify!r}")
+    if batch_size < 1:
+        raise PipelineError(f"--batch-size must be >= 1, got {batch_size}")
+    if batch_size > 1 and tree_verify == "paths":
+        raise PipelineError("--batch-size > 1 verifies each prompt's tree in one pass over its nodes: use --tree-verify tree")
+
+
+def tree_verification(model, tree_verify: str, tree_budgets: list[int], batch_size: int) -> tuple[str, str]:
+    """(how DDTree's trees are verified, why): as asked, or for "auto" by the target's size
+    without its embeddings (pipeline/speculative/decode.py: choose_tree_verify)."""
+    reason = "asked for"
+    if tree_verify == "auto":
+        embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                      for p in m.parameters()}
+        body = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+        tree_verify, reason = choose_tree_verify(body, batch_size=batch_size, takes_mask=takes_mask(model))
+    if (tree_budgets or batch_size > 1) and tree_verify == "tree" and not takes_mask(model):
+        raise PipelineError("the target's attention implementation takes no tree mask (sdpa and eager do): "
+                            "use --tree-verify paths and --batch-size 1")
+    return tree_verify, reason
 
 
 def sampling_of(temperature: float, top_p: float, top_k: int, seed: int) -> Sampling | None:

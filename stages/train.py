@@ -62,6 +62,29 @@ def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dic
     return load_config(TrainConfig, path, overrides, section="train", base=base), preset_target
 
 
+def check_complete(cfg: TrainConfig, manifest, warn) -> dict:
+    """The manifest's missing shards; an incomplete cache is refused unless allowed (then warned)."""
+    incomplete = manifest.missing_shards()
+    if incomplete["missing"]:
+        if not cfg.allow_incomplete_cache:
+            raise PipelineError(f"{cfg.cache}: incomplete cache: {describe_missing(incomplete)}; finish the "
+                                "extraction, or pass --allow-incomplete-cache to train on what is there")
+        warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
+    return incomplete
+
+
+def new_drafter(cfg: TrainConfig, config, embed, head, device) -> tuple[DFlashDrafter, str]:
+    """(a freshly initialised drafter on `device`, seeded by cfg.seed; its attention path)."""
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
+    drafter.attention = cfg.attention
+    path = attention_path(cfg.attention, device)
+    if path == "flex" and device.type != "cuda":
+        raise PipelineError(f"attention 'flex' needs a CUDA device (torch has no flex attention backward on {device.type}); "
+                            "use 'auto' or 'split'")
+    return drafter, path
+
+
 def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bool = True, view=None,
               warn=print) -> dict:
     """Train; returns a summary. `view` receives progress (None: silent)."""
@@ -81,24 +104,12 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     check_compatible(manifest, target=str(target_dir), target_claims=identity_claims(target_dir, weights=True, config=False),
                      taps=cfg.target_layer_ids, preset_target=preset_target, preset_name=cfg.preset,
                      allow_mixed_provenance=cfg.allow_mixed_provenance, warn=warn if rank == 0 else (lambda *_: None))
-    incomplete = manifest.missing_shards()
-    if incomplete["missing"]:
-        if not cfg.allow_incomplete_cache:
-            raise PipelineError(f"{cfg.cache}: incomplete cache: {describe_missing(incomplete)}; finish the "
-                                "extraction, or pass --allow-incomplete-cache to train on what is there")
-        if rank == 0:
-            warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
+    incomplete = check_complete(cfg, manifest, warn if rank == 0 else (lambda *_: None))
     config = drafter_config(cfg, facts, target_dir, list(manifest.identity.capture.target_layer_ids))
     check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg, device) or torch.float32
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
-    torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
-    drafter.attention = cfg.attention
-    path = attention_path(cfg.attention, device)
-    if path == "flex" and device.type != "cuda":
-        raise PipelineError(f"attention 'flex' needs a CUDA device (torch has no flex attention backward on {device.type}); "
-                            "use 'auto' or 'split'")
+    drafter, path = new_drafter(cfg, config, embed, head, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, world)
     plan = make_plan(cfg, sum(manifest.shards[s].samples for s in reader.shards), world)

@@ -9,9 +9,10 @@ its decoder (pipeline/speculative/variants.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -54,6 +55,66 @@ class Variant:
     @property
     def scalar(self) -> str:
         return self.kind.scalar.format(self.param)
+
+
+@dataclass
+class EvalResult:
+    """One `pipeline eval` run: written by the eval stage (`to_json`, the `--json` document and
+    EVAL.json) and read back by everything that reads one (`from_json`: the summary table,
+    trackers, the demo, `pipeline report --eval`)."""
+    drafter: str
+    target: str
+    target_differs_from_training: str | None   # None: the same config and weights as the run recorded
+    prompts: int
+    block_size: int
+    max_new_tokens: int
+    device: str
+    cpu_threads: int
+    drafter_kv_cache: bool
+    tree_verify: str
+    tree_verify_reason: str
+    batch_size: int
+    sampling: dict | None                      # temperature, top_p, top_k, seed; None: greedy
+    reference: dict                            # plain greedy's (plain sampling's) tokens, time, passes
+    variants: dict[Variant, dict]              # each variant's figures (speculative/summary.py)
+    # Greedy: every output is greedy's or departs at a tie of the target. Sampled: None, lossless in
+    # distribution by the rule (tests/speculative/test_sampling.py).
+    lossless: bool | None
+    by_kind: dict = field(default_factory=dict)
+    by_field: dict | None = None
+    teacher_forced: dict | None = None         # with --cache: the acceptance walk on the cache
+    reported_to: dict | None = None            # with --report-to: trackers and the step
+
+    @property
+    def reference_key(self) -> str:
+        return "plain_sampling" if self.sampling else "greedy"
+
+    def to_json(self) -> dict:
+        """The document in the order eval has always written it: teacher_forced first (when there),
+        the run's settings, the reference under "greedy" or "plain_sampling", each variant where
+        `nest` puts it, then lossless and the groups; by_field and reported_to only when there."""
+        names = [f.name for f in dataclasses.fields(self)]
+        settings = names[:names.index("reference")]                         # drafter .. sampling
+        out = {} if self.teacher_forced is None else {"teacher_forced": self.teacher_forced}
+        out.update({name: getattr(self, name) for name in settings})
+        out[self.reference_key] = self.reference
+        out.update(nest(self.variants))
+        out.update(lossless=self.lossless, by_kind=self.by_kind)
+        out.update({name: getattr(self, name) for name in ("by_field", "reported_to") if getattr(self, name) is not None})
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict, where: str = "eval result") -> EvalResult:
+        """Needs prompts, lossless and the block's figures; what an older eval did not write yet
+        (a setting, the reference, a group) reads as None (or empty)."""
+        try:
+            names = [f.name for f in dataclasses.fields(cls) if f.name not in ("reference", "variants")]
+            plain = {name: raw.get(name) for name in names} | {"prompts": raw["prompts"], "lossless": raw["lossless"]}
+            plain["by_kind"] = raw.get("by_kind") or {}
+            reference = raw.get("plain_sampling" if raw.get("sampling") else "greedy") or {}
+            return cls(reference=reference, variants=dict(variants_in(raw, strict=True)), **plain)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PipelineError(f"{where}: not a `pipeline eval --json` result (missing or bad field {e})") from None
 
 
 def variants_of(params: dict[str, list[int]]) -> list[Variant]:
@@ -101,18 +162,18 @@ def pooled_taus(figures: dict) -> dict:
 def read_decoded_taus(path: Path) -> dict:
     """The decoded figures of an eval result: {file, prompts, lossless, block, tree: {budget: tau},
     by_kind: {kind: {prompts, block, tree}}} (pooled tau). A file that is not one is a one-line error."""
+    where = f"--eval {path}"
     try:
-        result = json.loads(path.read_text())
-        figures = {"file": str(path), "prompts": int(result["prompts"]), "lossless": bool(result["lossless"]),
-                   **pooled_taus(result),
-                   "by_kind": {kind: {"prompts": int(g["prompts"]), **pooled_taus(g)}
-                               for kind, g in result.get("by_kind", {}).items()}}
+        result = EvalResult.from_json(json.loads(path.read_text()), where)
+        figures = {"file": str(path), "prompts": int(result.prompts), "lossless": bool(result.lossless),
+                   **nest({v: float(f["tau_pooled"]) for v, f in result.variants.items()}),
+                   "by_kind": {kind: {"prompts": int(g["prompts"]), **pooled_taus(g)} for kind, g in result.by_kind.items()}}
     except OSError as e:
-        raise PipelineError(f"--eval {path}: cannot read it ({e.strerror or e})") from None
+        raise PipelineError(f"{where}: cannot read it ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
-        raise PipelineError(f"--eval {path}: not JSON ({e.msg} at line {e.lineno})") from None
+        raise PipelineError(f"{where}: not JSON ({e.msg} at line {e.lineno})") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PipelineError(f"--eval {path}: not a `pipeline eval --json` result (missing or bad field {e})") from None
+        raise PipelineError(f"{where}: not a `pipeline eval --json` result (missing or bad field {e})") from None
     return figures
 
 

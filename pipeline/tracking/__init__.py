@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.records.eval_result import flat, variants_in
+from pipeline.records.eval_result import EvalResult, flat
 
 # Each tracker: its name (that of its optional extra too) -> its class in backends.py. A new tracker
 # is a class there and a line here; the options' help texts list these names.
@@ -157,23 +157,23 @@ def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dic
     return Trackers(started, warn)
 
 
-def eval_figures(result: dict) -> dict[str, float]:
+def eval_figures(result: EvalResult) -> dict[str, float]:
     """`pipeline eval`'s headline figures as tracker scalars (logged under `eval/`); a sampled
     eval's under `sampled_...` names, so the two never share a curve."""
-    sampled = "sampled_" if result.get("sampling") else ""
+    sampled = "sampled_" if result.sampling else ""
     speedup = "speedup_vs_plain_sampling" if sampled else "speedup_vs_greedy"
     out = {}
-    for v, figures in variants_in(result):  # each variant's tracked figures (pipeline/records/eval_result.py)
+    for v, figures in result.variants.items():  # each variant's tracked figures (pipeline/records/eval_result.py)
         for figure in v.kind.tracked:
             out.update(flat([(v, figures)], speedup if figure == "speedup" else figure, prefix=sampled))
-    out["prompts"] = result["prompts"]
-    teacher = result.get("teacher_forced")
+    out["prompts"] = result.prompts
+    teacher = result.teacher_forced
     if teacher:
         out.update(tau_walk=teacher["tau_walk"], tau_estimate=teacher["tau_estimate"])
     return out
 
 
-def report_eval(names: list[str], *, run_dir: Path, result: dict, warn=None) -> int:
+def report_eval(names: list[str], *, run_dir: Path, result: EvalResult, warn=None) -> int:
     """Send an eval's figures to the training run's trackers (the same tracker runs, continued
     from RUN/trackers.json), at the training's last logged step; returns that step."""
     from pipeline.records.train_log import LOG_FILE

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.records.eval_result import (KINDS, flat, flat_in, grouped_labels, nest, pooled_taus, variants_in,
-                                          variants_of)
+from pipeline.errors import PipelineError
+from pipeline.records.eval_result import (KINDS, EvalResult, flat, flat_in, grouped_labels, nest, pooled_taus,
+                                          variants_in, variants_of)
 
 RESULT = {"prompts": 3, "block": {"tau_pooled": 2.5, "tau_mean_of_means": 2.25, "speedup_vs_greedy": 1.5},
           "tree": {"8": {"tau_pooled": 3.0}, "16": {"tau_pooled": 3.5}}, "lossless": True}
@@ -45,3 +46,38 @@ def test_pooled_taus_needs_the_block_and_tolerates_no_trees():
 def test_the_registry_order_is_the_variants_order():
     assert [k.key for k in KINDS] == ["block", "tree"]
     assert [v.name for v in variants_of({"tree": [4, 2]})] == ["block", "tree4", "tree2"]
+
+
+def full_document(sampled: bool) -> dict:
+    """An eval `--json` document as eval writes it, key for key in its order (written out by hand)."""
+    doc = {"teacher_forced": {"tau_walk": 2.1, "tau_estimate": 2.3, "anchors": 40, "accuracy": 0.5},
+           "drafter": "run/drafter", "target": "target", "target_differs_from_training": None, "prompts": 3,
+           "block_size": 4, "max_new_tokens": 96, "device": "cpu (float32)", "cpu_threads": 2, "drafter_kv_cache": True,
+           "tree_verify": "tree", "tree_verify_reason": "asked for", "batch_size": 1,
+           "sampling": {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "seed": 0} if sampled else None,
+           ("plain_sampling" if sampled else "greedy"): {"tokens": 30, "wall_s": 1.0, "tokens_per_s": 30.0,
+                                                         "target_passes_per_token": 1.0},
+           "block": RESULT["block"], "tree": RESULT["tree"], "lossless": None if sampled else True,
+           "by_kind": {"thinking": {"prompts": 3, "block": {"tau_pooled": 2.5}, "tree": {"8": {"tau_pooled": 3.0}}}}}
+    if not sampled:
+        doc["by_field"] = {"field": "source", "groups": {}}
+    return doc
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_an_eval_document_round_trips_in_its_key_order(sampled):
+    doc = full_document(sampled)
+    result = EvalResult.from_json(doc)
+    assert result.reference == doc["plain_sampling" if sampled else "greedy"]
+    assert [v.name for v in result.variants] == ["block", "tree8", "tree16"]
+    assert result.to_json() == doc and list(result.to_json()) == list(doc)
+    result.reported_to = {"trackers": ["tensorboard"], "at_step": 250}
+    assert list(result.to_json())[-1] == "reported_to"
+
+
+def test_an_older_eval_document_reads_what_it_has_and_a_foreign_one_is_one_line():
+    older = {"prompts": 2, "lossless": True, "block": {"tau_pooled": 2.0}, "tree": {}}
+    result = EvalResult.from_json(older)
+    assert (result.prompts, result.lossless, result.drafter, result.by_kind, result.reference) == (2, True, None, {}, {})
+    with pytest.raises(PipelineError, match=r"^x.json: not a `pipeline eval --json` result \(missing or bad field 'block'\)$"):
+        EvalResult.from_json({"prompts": 2, "lossless": True, "tree": {}}, "x.json")
