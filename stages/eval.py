@@ -21,7 +21,7 @@ from pipeline.cache.reader import open_cache
 from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
-from pipeline.records.eval_result import EvalResult
+from pipeline.records.eval_result import EvalResult, variants_of
 from pipeline.records.train_log import LOG_FILE
 from pipeline.training.run_record import resolve_drafter, target_mismatch
 from pipeline.speculative.teacher_forced import teacher_forced
@@ -33,7 +33,7 @@ from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
 from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures
-from pipeline.speculative.variants import Settings, variants
+from pipeline.speculative.variants import Settings
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer, read_target_facts, resolve_target
 from pipeline.target_model.internals import takes_mask
 from pipeline.target_model.live import LiveTarget
@@ -97,7 +97,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     prompt_ids = [item["ids"] for item in items]
     settings = Settings(max_new=max_new_tokens, eos=eos, sampling=sampling, batch_size=batch_size, tree_top_k=tree_top_k,
                         tree_verify=tree_verify)
-    reference, runs, seconds = decode_variants(live, drafter, prompt_ids, variants(tree_budgets), settings, progress)
+    reference, runs, seconds = decode_variants(live, drafter, prompt_ids, variants_of({"tree": tree_budgets}), settings, progress)
     greedy_tokens = sum(len(r.tokens) for r in reference)
     sampled = sampling is not None
     departures = {v: [] if sampled else judge_departures(live, prompt_ids, results, reference, dtype_)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from pipeline.speculative.decode import Decoded, greedy
 from pipeline.records.eval_result import Variant
+from pipeline.speculative.decode import Decoded, greedy
 from pipeline.speculative.variants import Settings, decode
 from pipeline.target_model.live import LiveTarget
 

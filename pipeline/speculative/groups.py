@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.speculative.decode import Decoded
 from pipeline.records.eval_result import Variant, nest
+from pipeline.speculative.decode import Decoded
 from pipeline.speculative.summary import tau_figures
 
 KINDS = ("thinking", "non_thinking", "tool_call")

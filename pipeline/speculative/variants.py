@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.records.eval_result import Variant, variants_of
+from pipeline.records.eval_result import Variant
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import Decoded, block_decode, tree_decode
 from pipeline.speculative.sampling import Sampling
@@ -43,8 +43,3 @@ def decode(variant: Variant, live, drafter, prompts: list[list[int]], row_ids: l
            settings: Settings) -> list[Decoded]:
     """One Decoded per prompt of the batch."""
     return DECODERS[variant.kind.key](live, drafter, prompts, row_ids, settings, variant.param)
-
-
-def variants(tree_budgets: list[int]) -> list[Variant]:
-    """eval's variants in their order: block, then DDTree at each budget."""
-    return variants_of({"tree": list(tree_budgets)})
