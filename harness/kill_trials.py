@@ -108,21 +108,27 @@ def child(cache: Path | str, plan: dict, *, failpoint: str = "", writer_queue: i
         os._exit(code)
 
 
-def wait(pid: int, timeout: float = 300) -> str:
-    """'ok' | 'failed' | 'killed' | 'signal N'."""
-    deadline = time.time() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.time() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "timeout"
-        time.sleep(0.005)
+def poll(pid: int, deadline: float) -> str | None:
+    """None while the child runs; then 'ok' | 'failed' | 'killed' | 'signal N' | 'timeout' (killed
+    by the driver at `deadline`)."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if not done:
+        if time.time() <= deadline:
+            return None
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "timeout"
     if os.WIFSIGNALED(status):
         return "killed" if os.WTERMSIG(status) == signal.SIGKILL else f"signal {os.WTERMSIG(status)}"
     return "ok" if os.WEXITSTATUS(status) == 0 else "failed"
+
+
+def wait(pid: int, timeout: float = 300) -> str:
+    """poll() until the child ends."""
+    deadline = time.time() + timeout
+    while (status := poll(pid, deadline)) is None:
+        time.sleep(0.005)
+    return status
 
 
 def inspect(cache: Path) -> dict:
@@ -174,22 +180,44 @@ def main(plan_path: str) -> None:
             download(boto3.client("s3", endpoint_url=plan["s3"]["endpoint"]), bucket, f"trial-{i:02d}/", view)
         return view
 
-    for i, trial in enumerate(trials):
-        trial["writer_queue"] = i % 2 * 2  # alternate the inline writer and the background thread
-        cache = f"s3://{bucket}/trial-{i:02d}" if bucket else root / f"trial-{i:02d}"
-        trial["cache"] = str(look(i) if bucket else cache)
-        pid = child(cache, plan, failpoint=trial.get("failpoint", ""), writer_queue=trial["writer_queue"])
-        if "kill_after_s" in trial:
-            time.sleep(trial["kill_after_s"])
-            os.kill(pid, signal.SIGKILL)
-        trial["run"] = wait(pid)
-        trial["after_kill"] = inspect(look(i))
-        summary_file = root / f"resume-{i:02d}.json"
-        trial["resume"] = wait(child(cache, plan, summary_file=summary_file))
-        if trial["resume"] == "ok":
-            summary = json.loads(summary_file.read_text())
-            trial["resumed_shards_written"] = summary["shards_written"]
-        trial["after_resume"] = inspect(look(i))
+    def cache_of(i: int) -> Path | str:
+        return f"s3://{bucket}/trial-{i:02d}" if bucket else root / f"trial-{i:02d}"
+
+    # Trials run two at a time (each has its own cache; within a trial the kill, the look, the
+    # resume and the look stay in order): the driver mostly waits, the children take a core each.
+    pending = list(range(len(trials)))
+    running: dict[int, tuple[int, str, float, float | None]] = {}  # pid -> (trial, stage, deadline, kill at)
+    parallel = max(1, min(2, os.cpu_count() or 1))
+    while pending or running:
+        while pending and len(running) < parallel:
+            i = pending.pop(0)
+            trial = trials[i]
+            trial["writer_queue"] = i % 2 * 2  # alternate the inline writer and the background thread
+            trial["cache"] = str(look(i) if bucket else cache_of(i))
+            pid = child(cache_of(i), plan, failpoint=trial.get("failpoint", ""), writer_queue=trial["writer_queue"])
+            kill_at = time.time() + trial["kill_after_s"] if "kill_after_s" in trial else None
+            running[pid] = (i, "run", time.time() + 300, kill_at)
+        for pid, (i, stage, deadline, kill_at) in list(running.items()):
+            if kill_at is not None and time.time() >= kill_at:
+                os.kill(pid, signal.SIGKILL)  # a child that has just ended is a zombie until polled: no error
+                running[pid] = (i, stage, deadline, None)
+            status = poll(pid, deadline)
+            if status is None:
+                continue
+            del running[pid]
+            trial = trials[i]
+            if stage == "run":
+                trial["run"] = status
+                trial["after_kill"] = inspect(look(i))
+                resume = child(cache_of(i), plan, summary_file=root / f"resume-{i:02d}.json")
+                running[resume] = (i, "resume", time.time() + 300, None)
+            else:
+                trial["resume"] = status
+                if status == "ok":
+                    summary = json.loads((root / f"resume-{i:02d}.json").read_text())
+                    trial["resumed_shards_written"] = summary["shards_written"]
+                trial["after_resume"] = inspect(look(i))
+        time.sleep(0.005)
     print(json.dumps({"reference": str(root / "reference"), "hits": hits, "reference_seconds": reference_seconds,
                       "trials": trials, "seconds": time.perf_counter() - start}))
 

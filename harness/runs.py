@@ -43,9 +43,10 @@ def cli(*args: str, env: dict | None = None, timeout: int = 600, preexec_fn=None
 def cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The same command run in this process by typer's test runner: the same app, options,
     stdout, stderr and exit code as `cli`, without the seconds a new process spends importing
-    torch. For commands that end early (usage and input errors, refusals); process-level
-    behaviour (kills, signals, stray library output, the console script) stays with `cli`, and
-    each family of such tests keeps at least one case there. An unexpected exception becomes
+    torch. For commands whose process is not what the test is about (usage and input errors,
+    refusals, a report or eval whose output is checked); process-level behaviour (kills, signals,
+    stray library output, the console script) stays with `cli`, and each family of such tests
+    keeps at least one case there. An unexpected exception becomes
     exit code 1 with its traceback on stderr, as in a process."""
     import traceback
 

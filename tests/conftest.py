@@ -12,6 +12,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
+def _pin_threads() -> None:
+    """Every command a test runs (in this process or in a child) takes torch's default thread count
+    through OMP_NUM_THREADS instead of `--threads auto`'s reading of the machine's load: that reading
+    costs 0.2 s per command and picks fewer threads while another process is busy, so two runs a
+    test compares byte for byte could run with different counts. tests/command_line/test_threads.py
+    tests `auto` itself, without the variable; torchrun launches (harness.runs) set 1 per rank."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        import torch
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+
+
+_pin_threads()
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """The CLI sets torch's thread count for its process (`--threads auto`: fewer on a busy

@@ -8,7 +8,7 @@ import sys
 from harness.caches import assert_same_content, manifest_json, shard_digest
 from harness.kill_trials import BATCH_TOKENS, SHARDS, checked_trials
 from harness.marks import needs_tmpfs
-from harness.runs import cli, file_size_limit, in_namespace
+from harness.runs import cli, cli_here, file_size_limit, in_namespace
 
 
 def extract_args(cache, data):
@@ -42,7 +42,7 @@ def test_kill_9_at_every_phase_of_extraction(tmp_path, data, reference):
 
 def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):
     cache = tmp_path / "cache"
-    first = cli(*extract_args(cache, data), "--shards", "0")
+    first = cli_here(*extract_args(cache, data), "--shards", "0")
     assert first.returncode == 0, first.stderr
 
     limited = cli(*extract_args(cache, data), preexec_fn=file_size_limit(30_000))
@@ -52,7 +52,7 @@ def test_file_size_limit_during_a_shard_write(tmp_path, data, reference):
     assert "Traceback" not in limited.stderr
     assert sorted(listed(cache)) == ["shard-00000"]
     assert_consistent(cache)
-    resumed = cli(*extract_args(cache, data), "--json")
+    resumed = cli_here(*extract_args(cache, data), "--json")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["shards_written"] == SHARDS - 1
     assert_same_content(cache, reference)

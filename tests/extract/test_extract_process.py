@@ -21,7 +21,7 @@ def data(tmp_path_factory, train_rows):
 def reference(tmp_path_factory, data):
     """One uninterrupted single-process run: 4 shards, small batches."""
     cache = tmp_path_factory.mktemp("ref") / "cache"
-    result = cli("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256", "--json")
+    result = cli_here("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256", "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["shards_written"] == 4 and summary["samples"] == 24
@@ -74,7 +74,7 @@ def test_kill_mid_shard_then_resume(tmp_path, data, reference):
     listed = manifest(cache)["shards"] if (cache / "manifest.json").exists() else {}
     assert all((cache / name).is_dir() for name in listed)
     assert len(listed) < 4, "the kill landed after everything was committed"
-    result = cli("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256", "--json")
+    result = cli_here("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256", "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["shards_written"] == 4 - len(listed)

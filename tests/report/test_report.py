@@ -131,7 +131,7 @@ def test_a_malformed_log_line_is_one_clear_error(tmp_path):
     assert report(torn)["runs"][0]["entries"] == 199
 
 
-def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, train_rows):
+def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, sixty_four_rows_cache):
     """`pipeline report RUN --follow` started before a real training run: it waits for the log,
     re-draws as lines arrive (each re-draw one JSON line with a later last step), and exits 0 on
     its own once the log reaches the plan's last step."""
@@ -139,9 +139,9 @@ def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, trai
     import sys
     import time
 
-    from harness.runs import REPO, small_cache
+    from harness.runs import REPO
 
-    cache = small_cache(tmp_path, train_rows[:64], 2)
+    cache = sixty_four_rows_cache
     run = tmp_path / "run"
     env = {**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"}
     follower = subprocess.Popen([sys.executable, "-m", "cli", "report", str(run), "--follow", "--interval", "0.3",

@@ -11,7 +11,7 @@ import os
 import struct
 
 import pytest
-from harness.runs import cli, small_cache
+from harness.runs import cli
 
 pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
 
@@ -33,9 +33,9 @@ def tracker_env(root):
 
 
 @pytest.fixture(scope="module")
-def tracked(tmp_path_factory, train_rows):
+def tracked(tmp_path_factory, sixty_four_rows_cache):
     root = tmp_path_factory.mktemp("tracked")
-    cache = small_cache(root, train_rows[:64], 2)
+    cache = sixty_four_rows_cache
     env = {k: v for k, v in tracker_env(root).items()}
     args = ("train", "--cache", str(cache), "--out", str(root / "run"), "--max-steps", str(STEPS), "--log-every",
             str(LOG_EVERY), "--checkpoint-every", str(CHECKPOINT_EVERY), "--report-to", "tensorboard,wandb,mlflow,trackio",

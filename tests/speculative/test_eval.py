@@ -370,6 +370,7 @@ def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, em
     drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
     batch = [p["ids"] for p in prompts[30:35]] + [prompts[0]["ids"] * 3]   # lengths differ; one long
     assert len({len(ids) for ids in batch}) > 3
+    reference = [greedy(live, ids, max_new=32, eos=EOS).tokens for ids in batch]
     for budget in (None, 16, 64):
         single = [block_decode(live, drafter, ids, max_new=32, eos=EOS) if budget is None
                   else tree_decode(live, drafter, ids, max_new=32, eos=EOS, budget=budget) for ids in batch]
@@ -377,9 +378,9 @@ def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, em
         rows = decode_rows(live, drafter, batch, max_new=32, eos=EOS, budget=budget)
         assert live.passes - before == len(batch) + max(r.verify_passes for r in rows)  # prefills + shared steps
         assert len({r.verify_passes for r in rows}) > 1                                  # prompts finished apart
-        for one, many in zip(single, rows):
+        for one, many, tokens in zip(single, rows, reference, strict=True):
             assert many.drafts == one.drafts and many.accepted == one.accepted and many.tokens == one.tokens
-            assert many.tokens == greedy(live, batch[rows.index(many)], max_new=32, eos=EOS).tokens
+            assert many.tokens == tokens
 
 
 def test_eval_progress_is_plain_lines_in_a_log(trained, capsys):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from harness.runs import REPO, cli
+from harness.runs import REPO, cli_here
 
 from pipeline.data.loss_mask import render
 from pipeline.errors import PipelineError
@@ -110,17 +110,17 @@ def test_the_report_shows_decoded_tau_by_kind(grouped, trained_run, tmp_path):
     _, result = grouped
     eval_json = tmp_path / "eval.json"
     eval_json.write_text(json.dumps(result))
-    done = cli("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"), "--json")
+    done = cli_here("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"), "--json")
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)["eval"]
     assert shown["block"] == result["block"]["tau_pooled"] and shown["tree"]["4"] == result["tree"]["4"]["tau_pooled"]
     assert {k: (g["prompts"], g["block"]) for k, g in shown["by_kind"].items()} == \
         {k: (g["prompts"], g["block"]["tau_pooled"]) for k, g in result["by_kind"].items()}
     assert (tmp_path / "plots" / "report-tau-by-kind.png").stat().st_size > 0
-    table = cli("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"))
+    table = cli_here("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"))
     assert "decoded tau" in table.stdout and "tool-call" in table.stdout
     eval_json.write_text(json.dumps({"prompts": 3}))
-    bad = cli("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"))
+    bad = cli_here("report", str(trained_run["run"]), "--eval", str(eval_json), "--out", str(tmp_path / "plots"))
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
     assert f"--eval {eval_json}: not a `pipeline eval --json` result" in bad.stderr
 
@@ -134,7 +134,7 @@ def test_a_field_no_row_has_is_one_line(grouped, trained_run):
 
 def test_the_cli_prints_the_groups(grouped, trained_run):
     path, _ = grouped
-    done = cli("eval", "--drafter", str(trained_run["run"]), "--prompts", str(path), "--max-new-tokens", "8",
+    done = cli_here("eval", "--drafter", str(trained_run["run"]), "--prompts", str(path), "--max-new-tokens", "8",
                "--tree-budget", "", "--group-by", "category")
     assert done.returncode == 0, done.stderr
     assert "tau by kind of turn" in done.stdout and "tau by category" in done.stdout and "odd" in done.stdout

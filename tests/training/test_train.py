@@ -164,7 +164,10 @@ def test_label_alignment_planted_vs_shifted_by_one(cache, tmp_path):
     assert bad["accuracy"] < 0.15, bad
 
 
-RUN = ["--max-steps", "30", "--log-every", "1", "--checkpoint-every", "10", "--json"]
+# These runs test resuming, not learning: a small step (2 sequences, 32 anchors) keeps their 30
+# steps cheap; the checkpoint (model and optimizer) is as large as in any tiny-preset run.
+RUN = ["--max-steps", "30", "--log-every", "1", "--checkpoint-every", "10", "--num-anchors", "32",
+       "--batch-sequences", "2", "--micro-batch-sequences", "2", "--json"]
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +278,8 @@ def test_a_damaged_checkpoint_is_a_clear_error(cache, tmp_path, uninterrupted):
     assert f"{weights}: unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-TWO_PROCESS = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "6", "--micro-batch-sequences", "2", "--json"]
+TWO_PROCESS = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "6", "--num-anchors", "64",
+               "--micro-batch-sequences", "2", "--json"]
 
 
 @pytest.fixture(scope="module")
