@@ -33,6 +33,7 @@ from harness.runs import REPO
 
 PHASES = ("extract.batch", "extract.encoded", "writer.chunk", "writer.fsynced", "writer.committed")
 SHARDS, BATCH_TOKENS = 3, 256
+CHILD_TIMEOUT_S = 300  # an extraction child still running after this is killed and reported "timeout"
 # Small files, so that kills land between the file writes of a shard, not only at its commit.
 SMALL_FILES = {"hidden_chunk_bytes": 8192, "hidden_chunks_per_file": 4, "small_chunk_tokens": 256,
                "small_chunks_per_file": 4}
@@ -123,7 +124,7 @@ def poll(pid: int, deadline: float) -> str | None:
     return "ok" if os.WEXITSTATUS(status) == 0 else "failed"
 
 
-def wait(pid: int, timeout: float = 300) -> str:
+def wait(pid: int, timeout: float = CHILD_TIMEOUT_S) -> str:
     """poll() until the child ends."""
     deadline = time.time() + timeout
     while (status := poll(pid, deadline)) is None:
@@ -196,7 +197,7 @@ def main(plan_path: str) -> None:
             trial["cache"] = str(look(i) if bucket else cache_of(i))
             pid = child(cache_of(i), plan, failpoint=trial.get("failpoint", ""), writer_queue=trial["writer_queue"])
             kill_at = time.time() + trial["kill_after_s"] if "kill_after_s" in trial else None
-            running[pid] = (i, "run", time.time() + 300, kill_at)
+            running[pid] = (i, "run", time.time() + CHILD_TIMEOUT_S, kill_at)
         for pid, (i, stage, deadline, kill_at) in list(running.items()):
             if kill_at is not None and time.time() >= kill_at:
                 os.kill(pid, signal.SIGKILL)  # a child that has just ended is a zombie until polled: no error
@@ -210,7 +211,7 @@ def main(plan_path: str) -> None:
                 trial["run"] = status
                 trial["after_kill"] = inspect(look(i))
                 resume = child(cache_of(i), plan, summary_file=root / f"resume-{i:02d}.json")
-                running[resume] = (i, "resume", time.time() + 300, None)
+                running[resume] = (i, "resume", time.time() + CHILD_TIMEOUT_S, None)
             else:
                 trial["resume"] = status
                 if status == "ok":

@@ -46,8 +46,8 @@ def cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
     torch. For commands whose process is not what the test is about (usage and input errors,
     refusals, a report or eval whose output is checked); process-level behaviour (kills, signals,
     stray library output, the console script) stays with `cli`, and each family of such tests
-    keeps at least one case there. An unexpected exception becomes
-    exit code 1 with its traceback on stderr, as in a process."""
+    keeps at least one case there. An unexpected exception becomes exit code 1 with its traceback
+    on stderr, as in a process."""
     import traceback
 
     import torch

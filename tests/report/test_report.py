@@ -141,14 +141,13 @@ def test_follow_redraws_as_a_real_run_logs_and_stops_when_it_ends(tmp_path, sixt
 
     from harness.runs import REPO
 
-    cache = sixty_four_rows_cache
     run = tmp_path / "run"
     env = {**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"}
     follower = subprocess.Popen([sys.executable, "-m", "cli", "report", str(run), "--follow", "--interval", "0.3",
                                  "--json", "--out", str(tmp_path / "plots")], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1)
-    trained = cli_here("train", "--cache", str(cache), "--out", str(run), "--max-steps", "30", "--log-every", "2")
+    trained = cli_here("train", "--cache", str(sixty_four_rows_cache), "--out", str(run), "--max-steps", "30", "--log-every", "2")
     assert trained.returncode == 0, trained.stderr
     out, err = follower.communicate(timeout=120)
     assert follower.returncode == 0, err

@@ -35,9 +35,8 @@ def tracker_env(root):
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory, sixty_four_rows_cache):
     root = tmp_path_factory.mktemp("tracked")
-    cache = sixty_four_rows_cache
     env = {k: v for k, v in tracker_env(root).items()}
-    args = ("train", "--cache", str(cache), "--out", str(root / "run"), "--max-steps", str(STEPS), "--log-every",
+    args = ("train", "--cache", str(sixty_four_rows_cache), "--out", str(root / "run"), "--max-steps", str(STEPS), "--log-every",
             str(LOG_EVERY), "--checkpoint-every", str(CHECKPOINT_EVERY), "--report-to", "tensorboard,wandb,mlflow,trackio",
             "--json")
     killed = cli(*args, env={**env, "PIPELINE_FAILPOINT": KILL_AT})
