@@ -10,12 +10,33 @@ from pipeline.errors import PipelineError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# The test kit's simulated accelerator (harness/simulated_device.py: a device that is not the
+# host, on a machine without a GPU), set only while a test runs under it.
+_simulated: torch.device | None = None
+
+
+def simulate_accelerator(device: torch.device | None) -> None:
+    """Make `auto` (where no GPU is) and `sim` resolve to `device`; None ends it."""
+    global _simulated
+    _simulated = device
+
+
+def simulated() -> torch.device | None:
+    return _simulated
+
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """--device / --dtype: auto = the GPU in bf16 when there is one, else the CPU in float32.
     A bare `cuda` is this process's GPU (LOCAL_RANK under torchrun)."""
     if dtype not in ("auto", *DTYPES):
         raise PipelineError(f"--dtype: must be auto, float32 or bfloat16, got {dtype!r}")
+    if device == "auto" and _simulated is not None and not torch.cuda.is_available():
+        device = "sim"
+    if device == "sim":
+        if _simulated is None:
+            raise PipelineError("--device sim: the simulated accelerator exists only under the test kit")
+        # float32 under auto: results then equal the host's bit for bit, which the tests compare.
+        return _simulated, torch.float32 if dtype == "auto" else DTYPES[dtype]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

@@ -55,7 +55,9 @@ def draw(probs: torch.Tensor, u: float) -> int:
     """The token at which the cumulative distribution (in token order) first exceeds u: inverse
     transform sampling with one number. Tokens of probability 0 are never drawn."""
     cdf = probs.double().cumsum(-1)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    # The search value is made where cdf lives (u * its total, one IEEE multiply as on the host):
+    # a host tensor here stops every sampled eval on a GPU at its first token.
+    index = int(torch.searchsorted(cdf, (cdf[-1:] * u), right=True))
     return min(index, probs.shape[-1] - 1)
 
 
