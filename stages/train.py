@@ -45,6 +45,7 @@ from pipeline.training.checkpoint import cache_identity, resume_position
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
 from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
+from pipeline.training.run_claim import claim_for_job
 from pipeline.training.step import StepRunner, autocast_dtype
 
 
@@ -87,8 +88,18 @@ def new_drafter(cfg: TrainConfig, config, embed, head, device) -> tuple[DFlashDr
 
 def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bool = True, view=None,
               warn=print) -> dict:
-    """Train; returns a summary. `view` receives progress (None: silent)."""
+    """Train; returns a summary. `view` receives progress (None: silent). The run directory is
+    claimed first, once for all ranks, and given back however the run ends (run_claim.py)."""
     rank, world = init_data_parallel()
+    claim = claim_for_job(Path(cfg.out), rank=rank, world=world, warn=warn)
+    try:
+        return _train(cfg, rank, world, preset_target=preset_target, resume=resume, view=view, warn=warn)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | None, resume: bool, view, warn) -> dict:
     for name in cfg.report_to:  # a missing extra is one line before anything loads
         tracker_class(name).check_installed()
     hazard = elastic_restart_hazard()

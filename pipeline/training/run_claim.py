@@ -1,0 +1,272 @@
+"""Who trains into a run directory: one process at a time (DESIGN 8).
+
+`pipeline train --out R` claims R before it reads or writes anything there and gives the claim back
+when it ends, by success or by error; under torchrun only rank 0 claims, for the whole job. Two
+runs into one R at once would interleave their logs, checkpoints and run.json, and the first
+would report success with nothing of its own left. The claim is two files:
+
+- `R/.owner.lock`: an flock held for the whole run (`FileLock`, as extract's shard locks). The
+  kernel drops it when its holder dies, even by kill -9, so on one machine (and on a shared
+  filesystem whose flock spans machines) a second run is refused and a dead one never blocks.
+  It stays after the run: removing a lock file races with a process that has just opened it.
+- `R/owner.json`: who holds R (host, pid, since when, how to recognise the process), for the
+  refusal's one line, and the claim itself where flock does not span machines (many cluster
+  mounts) or does not work at all. The holder refreshes its modification time every HEARTBEAT_S
+  seconds. Removed when the run ends.
+
+A claim left behind (kill -9, a lost node, a reboot) is stale, and the next run into R (a resume)
+takes it over, saying so in one line, when one of these holds:
+
+1. it was made on this machine (same host name, boot and pid namespace) by a process that is gone:
+   no process has its pid, or the one that has it started at another time (the pid was reused);
+2. it was made by an earlier round of this same torchrun job (the same TORCHELASTIC_RUN_ID, other
+   than torchrun's default 'none', and a lower TORCHELASTIC_RESTART_COUNT): torchrun stops every
+   worker of a round before it starts the next, wherever the new rank 0 lands;
+3. its heartbeat (the file's modification time) is older than STALE_AFTER_S (10 minutes): made on
+   another machine, whose processes this one cannot see. A holder that is alive refreshes it 20
+   times in that span.
+
+Otherwise the run stops in one line naming the holder. What this does not cover: on a filesystem
+whose flock does not span machines, two runs started on two machines within the same second into
+a directory with no claim (or a stale one) can both proceed; each reads its claim back after
+writing it, which narrows that window but cannot close it without a lock the filesystem lacks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.files import FileLock, describe_os_error, write_json_atomic
+
+OWNER_FILE = "owner.json"
+LOCK_FILE = ".owner.lock"
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 600.0
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None without
+    /proc. Two processes that share a pid over time never share this."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # the command name, in parentheses, may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _machine() -> dict:
+    """What makes two claims' pids comparable: the same host, boot and pid namespace."""
+    return {"host": socket.gethostname(), "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": _pid_namespace()}
+
+
+def _process_state(pid: int, start: str | None) -> str | None:
+    """Why process `pid` (started at `start`) is not running on this machine, or None if it is."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "no process has that pid any more"
+    except PermissionError:
+        pass  # it exists, owned by another user
+    now = _start_ticks(pid)
+    if start is not None and now is not None and now != start:
+        return "its pid now belongs to a process started later"
+    return None
+
+
+def _job() -> tuple[str | None, int]:
+    """(torchrun's job id, this round of it); (None, 0) outside torchrun or under its default id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return (run_id if run_id and run_id != "none" else None), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+class RunClaim:
+    """This process's claim on a run directory; `release()` gives it back (idempotent)."""
+
+    def __init__(self, out: Path, record: dict, lock: FileLock | None, created: bool):
+        self.out, self.record, self._lock, self._created = out, record, lock, created
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="run-claim-heartbeat", daemon=True)
+        self._beat.start()
+
+    @property
+    def path(self) -> Path:
+        return self.out / OWNER_FILE
+
+    def _ours(self) -> bool:
+        found = _read_record(self.path)
+        return isinstance(found, dict) and found.get("claim_id") == self.record["claim_id"]
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                if not self._ours():  # taken over (we looked dead to another machine): stop refreshing it
+                    return
+                os.utime(self.path)
+            except OSError:
+                pass  # a missed beat is harmless unless STALE_AFTER_S of them are missed
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            if self._ours():
+                self.path.unlink()
+        except OSError:
+            pass  # a claim left behind is recognised as stale by the next run
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._created:  # a run that failed before writing anything leaves no directory behind
+            self._created = False
+            try:
+                if [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
+                    (self.out / LOCK_FILE).unlink()
+                    self.out.rmdir()
+            except OSError:
+                pass  # another run has just claimed it: the directory is theirs now
+
+
+def _read_record(path: Path) -> dict | str | None:
+    """The claim's record; None when there is none; a string saying why it cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return describe_os_error(e)
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
+        return "not a claim record"
+    return record
+
+
+def _holder(record: dict) -> str:
+    return f"pid {record.get('pid')} on {record.get('host')}, since {record.get('since')}"
+
+
+def _stale_because(record: dict | str, age_s: float) -> str | None:
+    """Why a claim left in the directory no longer holds it (the module docstring's rules), or None."""
+    if isinstance(record, dict):
+        here = _machine()
+        if all(record.get(k) == here[k] for k in here):
+            return _process_state(int(record["pid"]), record.get("process_start"))
+        job, restart = _job()
+        if job is not None and record.get("job") == job and int(record.get("restart", 0)) < restart:
+            return f"it was round {record.get('restart', 0)} of this torchrun job, which torchrun ended"
+        if record.get("host") == here["host"] and record.get("boot_id") != here["boot_id"]:
+            return "this machine rebooted since"
+    if age_s > STALE_AFTER_S:
+        return f"no heartbeat for {_minutes(age_s)} (a claim is stale after {_minutes(STALE_AFTER_S)} without one)"
+    return None
+
+
+def _refusal(out: Path, record: dict | str, age_s: float) -> PipelineError:
+    if isinstance(record, str):
+        who = f"{out / OWNER_FILE} is unreadable ({record})"
+    else:
+        who = f"in use by another training run ({_holder(record)})"
+    wait = ""
+    if not isinstance(record, dict) or record.get("host") != socket.gethostname():
+        wait = f"; it is stale after {_minutes(STALE_AFTER_S)} without a heartbeat, the last {_minutes(age_s)} ago"
+    return PipelineError(f"{out}: {who}{wait}; wait for it to end, or train into another --out")
+
+
+def take(out: Path, warn) -> RunClaim:
+    """Claim `out` for this process, or raise one line naming who holds it (module docstring)."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock: FileLock | None = FileLock(out / LOCK_FILE)
+    try:
+        if not lock.acquire(blocking=False):
+            lock = None
+            record = _read_record(out / OWNER_FILE)
+            raise _refusal(out, record or "being written", _age(out / OWNER_FILE))
+    except OSError:  # no working flock on this mount (ENOLCK, EOPNOTSUPP): the record decides alone
+        lock = None
+    try:
+        return _claim(out, lock, created, warn)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _age(path: Path) -> float:
+    try:
+        return max(0.0, time.time() - path.stat().st_mtime)
+    except OSError:
+        return 0.0
+
+
+def _claim(out: Path, lock: FileLock | None, created: bool, warn) -> RunClaim:
+    path = out / OWNER_FILE
+    found = _read_record(path)
+    if found is not None:
+        age = _age(path)
+        reason = _stale_because(found, age)
+        if reason is None:
+            raise _refusal(out, found, age)
+        holder = _holder(found) if isinstance(found, dict) else f"an unreadable {OWNER_FILE}"
+        warn(f"{out}: taking over a stale claim ({holder}): {reason}")
+    job, restart = _job()
+    record = {**_machine(), "pid": os.getpid(), "process_start": _start_ticks(os.getpid()), "since": _now_utc(),
+              "job": job, "restart": restart, "claim_id": uuid.uuid4().hex}
+    write_json_atomic(path, record)
+    mine = _read_record(path)  # another machine writing at the same moment: the last write holds
+    if not isinstance(mine, dict) or mine.get("claim_id") != record["claim_id"]:
+        raise _refusal(out, mine or "removed", _age(path))
+    return RunClaim(out, record, lock, created)
+
+
+def claim_for_job(out: Path, *, rank: int, world: int, warn) -> RunClaim | None:
+    """Rank 0 claims `out` once for every rank; a refusal stops every rank with the same line."""
+    claim, refusal = None, None
+    if rank == 0:
+        try:
+            claim = take(out, warn)
+        except PipelineError as e:
+            refusal = str(e)
+        except OSError as e:
+            refusal = f"{out}: cannot claim the run directory ({describe_os_error(e)})"
+    if world > 1:
+        import torch.distributed as dist
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        raise PipelineError(refusal)
+    return claim
