@@ -8,22 +8,22 @@ S3's conditional writes (If-None-Match on create), which the commit protocol is 
 Credentials and endpoint come from the standard places: the AWS_* environment variables
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL),
 then the profile (AWS_PROFILE, else 'default') of the shared credentials and config files
-(AWS_SHARED_CREDENTIALS_FILE / AWS_CONFIG_FILE, default ~/.aws/). No message ever prints a
-secret: errors name the bucket, the key and the server's error code only.
+(AWS_SHARED_CREDENTIALS_FILE / AWS_CONFIG_FILE, default ~/.aws/), then the rest of obstore's
+chain (pipeline/cache/s3_credentials.py, which also words the error when there are none). No
+message ever prints a secret: errors name the bucket, the key and the server's error code only.
 """
 
 from __future__ import annotations
 
-import configparser
 import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from pathlib import Path
 from typing import Iterator
 
 from pipeline.cache.location import STREAM_BLOCK, Location
+from pipeline.cache.s3_credentials import explain, missing_credentials, profile_settings
 from pipeline.errors import PipelineError
 
 EXTRA_HINT = 'S3 caches need the optional extra: pip install "dflash-pipeline[s3]" (obstore)'
@@ -41,28 +41,9 @@ def _obstore():
     return obstore
 
 
-def _profile_settings() -> dict[str, str]:
-    """The active profile's settings from the shared credentials and config files."""
-    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
-    home = Path.home() / ".aws"
-    found: dict[str, str] = {}
-    sources = [(os.environ.get("AWS_CONFIG_FILE") or home / "config", "default" if profile == "default" else f"profile {profile}"),
-               (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or home / "credentials", profile)]
-    for path, section in sources:
-        parser = configparser.RawConfigParser()
-        try:
-            parser.read(path, encoding="utf-8")
-        except (OSError, configparser.Error) as e:
-            raise PipelineError(f"{path}: unreadable AWS settings file ({type(e).__name__})") from None
-        if parser.has_section(section):
-            found.update(parser.items(section))
-    return found
-
-
-def client_config() -> dict[str, str]:
+def client_config(profile: dict[str, str]) -> dict[str, str]:
     """obstore S3 settings for what the environment does not set itself (obstore reads AWS_*)."""
     env = os.environ
-    profile = {} if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_ENDPOINT_URL") else _profile_settings()
     config: dict[str, str] = {}
     if not env.get("AWS_ACCESS_KEY_ID"):
         for ours, theirs in (("access_key_id", "aws_access_key_id"), ("secret_access_key", "aws_secret_access_key"),
@@ -101,7 +82,11 @@ class S3Location(Location):
         obstore = _obstore()
         self.bucket, self.prefix, self.url = bucket, prefix.strip("/"), url
         seconds = float(os.environ.get(RETRY_SECONDS_ENV, "60"))
-        self._config = client_config()
+        env = os.environ
+        profile = {} if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_ENDPOINT_URL") else profile_settings()
+        self._config = client_config(profile)
+        # None when some credential source is configured; else what was looked for, for every error's line
+        self._missing_credentials = missing_credentials(profile)
         self._retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=seconds),
                        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                                    "base": 2}}
@@ -130,7 +115,10 @@ class S3Location(Location):
         return cls(bucket, prefix, url.rstrip("/"))
 
     def _fail(self, what: str, key: str, e: Exception) -> PipelineError:
-        return PipelineError(f"{self.where(key)}: {what} failed: {describe_error(e)}")
+        answer = f"{what} failed: {describe_error(e)}"
+        if self._missing_credentials is not None:  # the real cause, which the client's error hides
+            answer = explain(self._missing_credentials, answer, str(e))
+        return PipelineError(f"{self.where(key)}: {answer}")
 
     def _call(self, what: str, key: str, fn, *args, **kwargs):
         try:

@@ -265,6 +265,34 @@ def test_profile_files_supply_credentials_and_endpoint(s3_server, data, tmp_path
     assert "shard-00000/digests.json" in objects(s3_server.client(), bucket, "c/")
 
 
+def test_no_credentials_are_named_as_such_by_every_command(s3_server, data, tmp_path):
+    """No AWS_* keys, no profile: the client never reaches the bucket (it asks the instance
+    metadata service for a role, here a port nothing listens on, and gets none), and its own error
+    reads like a refusal by the store. Every command says instead what is missing and how to give it."""
+    from harness.s3_server import free_port
+
+    bucket = s3_server.new_bucket()
+    env = {k: None for k in os.environ if k.startswith("AWS_")}  # None: unset for the call
+    env.update(AWS_ENDPOINT_URL=s3_server.endpoint, AWS_REGION="us-east-1", DFLASH_S3_RETRY_SECONDS="1",
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"), AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+               AWS_METADATA_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    cache = f"s3://{bucket}/c"
+    for args, code in [(["cache-info", cache], 1), (["verify-cache", cache], 2),
+                       (["extract", "--cache", cache, "--data", str(data), "--num-shards", str(SHARDS)], 1),
+                       (["train", "--cache", cache, "--out", str(tmp_path / "run")], 1)]:
+        result = in_process(*args, env=env)
+        assert result.returncode == code, (args, result.stderr)
+        lines = error_lines(result)
+        assert len(lines) == 1, (args, result.stderr)
+        line = lines[0]
+        assert line.startswith(f"error: {cache}") and "no AWS credentials" in line, line
+        assert "no AWS_ACCESS_KEY_ID in the environment" in line and f"no profile 'default' in {tmp_path / 'no-credentials'}" in line
+        assert "no instance role found (the instance metadata service at http://127.0.0.1:" in line and "could not be reached" in line
+        assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in line and "AWS_PROFILE" in line
+        assert "cannot reach the endpoint" not in line  # the bucket's endpoint was never the problem
+    assert objects(s3_server.client(), bucket) == {}
+
+
 def test_the_missing_extra_is_named_in_one_line(tmp_path):
     code = ("import sys; sys.modules['obstore'] = None; sys.argv = ['pipeline', 'verify-cache', 's3://bucket/c']; "
             "import cli; cli.app()")
