@@ -132,6 +132,22 @@ def test_a_reused_pid_does_not_hold_the_directory(cache, tmp_path):
     assert any(f"stale claim (pid {os.getpid()} on" in x and "started later" in x for x in lines(taken.stderr, "warning")), taken.stderr
 
 
+def test_an_earlier_round_of_the_same_torchrun_job_does_not_hold_the_directory(cache, tmp_path):
+    """torchrun --max-restarts stops a round's workers before the next round, whose rank 0 may be
+    on another node: a claim of an earlier round of the same job is stale at once; one of another
+    job, or of this round, holds."""
+    run = tmp_path / "run"
+    write_claim(run, host="node-7", pid=4242, job="q27b-train", restart=0)
+    for job, restart in [("another-job", "1"), ("q27b-train", "0")]:
+        held = cli_here("train", "--cache", str(cache), "--out", str(run), *RUN,
+                        env={"TORCHELASTIC_RUN_ID": job, "TORCHELASTIC_RESTART_COUNT": restart})
+        assert held.returncode == 1 and "in use by another training run (pid 4242 on node-7" in held.stderr, held.stderr
+    taken = cli_here("train", "--cache", str(tmp_path / "no-cache"), "--out", str(run), *RUN,
+                     env={"TORCHELASTIC_RUN_ID": "q27b-train", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert any("stale claim (pid 4242 on node-7" in x and "round 0 of this torchrun job" in x
+               for x in lines(taken.stderr, "warning")), taken.stderr
+
+
 def test_every_rank_of_a_torchrun_job_refuses_a_held_directory(cache, tmp_path):
     """Rank 0 claims for the job; its refusal reaches every rank (none waits for a partner that
     has stopped), and the holder is left untouched."""
