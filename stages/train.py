@@ -44,6 +44,7 @@ from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.training.checkpoint import cache_identity, resume_position
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
+from pipeline.training.objectives import describe_slot_weights
 from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
 from pipeline.training.run_claim import claim_for_job
 from pipeline.training.step import StepRunner, autocast_dtype
@@ -60,7 +61,14 @@ def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dic
         base = {k: v for k, v in preset_target.items() if k in ("target_layer_ids", "mask_token")}
         base.update(preset.get("drafter", {}))
         base["preset"] = name
-    return load_config(TrainConfig, path, overrides, section="train", base=base), preset_target
+    cfg = load_config(TrainConfig, path, overrides, section="train", base=base)
+    # D-PACE replaces the decay, so a gamma the user chose would be ignored: refused. A preset's
+    # gamma is its decay recipe's, not a choice about this run; run.json says it is unused.
+    if cfg.position_weight == "dpace" and chosen.get("gamma") is not None:
+        raise PipelineError(f"gamma: position_weight 'dpace' does not use gamma (its slot weights come from the "
+                            f"drafter's own confidence); remove gamma from {path or 'the options'}, or use "
+                            "--position-weight decay")
+    return cfg, preset_target
 
 
 def check_complete(cfg: TrainConfig, manifest, warn) -> dict:
@@ -126,6 +134,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     plan = make_plan(cfg, sum(manifest.shards[s].samples for s in reader.shards), world)
     out = Path(cfg.out)
     identity = cache_identity(manifest)
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
 
     at, resumed = resume_position(out, resume=resume, cfg=cfg, identity=identity, drafter=drafter,
                                   optimizer=optimizer)
@@ -140,13 +149,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
             cache=reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
             world_size=world, device=str(device), autocast=str(autocast_dtype(cfg, device)),
             frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
+            slot_weights=describe_slot_weights(cfg.position_weight, gamma, cfg.dpace_alpha),
             attention_path=path,
             optimizer=describe_optimizer(world),
             plan=asdict(plan), drafter=asdict(config), kernels=list(kernel_paths(manifest)),
             incomplete_cache=incomplete if incomplete["missing"] else None,
             resumed_from_step=at.step))
 
-    trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=cfg.gamma or default_gamma(cfg.block_size))
+    trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=gamma)
     if world > 1:
         # Gradients as views of DDP's all-reduce buckets: one copy of them instead of two (1.8 GB a
         # rank for one drafter layer at hidden 5120); the update is the same.

@@ -29,6 +29,7 @@ class RunRecord:
     autocast: str | None = None
     frozen_dtype: str | None = None
     loss_path: str | None = None
+    slot_weights: str | None = None         # what weighed the draft slots, and what it left unused (gamma under dpace)
     attention_path: str | None = None
     optimizer: str | None = None
     kernels: list | None = None             # the kernel paths the cache was extracted with

@@ -27,6 +27,10 @@ class LogLine:
     step: int
     epoch: int | None = None
     loss: float | None = None
+    # The plain cross-entropy: mean -log q(label) over the supervised slots, unweighted (no decay,
+    # no D-PACE weight, no other term): `loss` depends on the objective and the slot weights, this
+    # does not, so runs of different recipes compare on it (README: Metrics).
+    ce: float | None = None
     accuracy: float | None = None
     top4_acc: float | None = None
     top8_acc: float | None = None

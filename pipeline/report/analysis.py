@@ -97,7 +97,7 @@ def analyse(run: Run, *, size: int, every: int | None, epochs: float | None) -> 
             value = extrapolate(steps, values, final)
             if value is not None:
                 value = max(value, 0.0)
-                if metric not in ("loss", "avg_streak", "ddtree_streak4", "ddtree_streak8"):
+                if metric not in ("loss", "ce", "avg_streak", "ddtree_streak4", "ddtree_streak8"):
                     value = min(value, 1.0)
             out["extrapolated"][metric] = value
     # The first tenth of the log is left out: gradients at initialisation are large by nature.

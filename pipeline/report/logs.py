@@ -13,11 +13,12 @@ from pipeline.records.run import RUN_FILE, read_run_record
 from pipeline.records.train_log import LOG_FILE, LogLine, last_step, read_train_log
 
 # Metric -> which direction is better (+1 higher, -1 lower, 0 neither).
-DIRECTION = {"loss": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
+DIRECTION = {"loss": -1, "ce": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
              "ddtree_streak8": 1, "grad_norm": 0, "lr": 0, "tok_per_sec": 1, "noise_std": 0}
-GROUPS = {"loss": ["loss"], "accuracy": ["accuracy", "top4_acc", "top8_acc"],
+# `ce` beside `loss`: the one loss figure that means the same in runs of different objectives.
+GROUPS = {"loss": ["loss", "ce"], "accuracy": ["accuracy", "top4_acc", "top8_acc"],
           "streaks": ["avg_streak", "ddtree_streak4", "ddtree_streak8"], "optimisation": ["lr", "grad_norm"]}
-QUALITY = ["loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4", "ddtree_streak8"]
+QUALITY = ["loss", "ce", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4", "ddtree_streak8"]
 # The smallest bad move that counts as a cliff, whatever the spread before it: rates and streaks
 # near zero move by large fractions of themselves on noise alone (a run with random labels, at
 # chance accuracy, "fell" from 0.0027 to 0.0014 and was called a cliff).

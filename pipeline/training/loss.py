@@ -28,6 +28,9 @@ from pipeline.training.objectives import dpace_weights, term_rows
 # Rows per chunk: keep one chunk's fp32 logits near this many bytes.
 CHUNK_BYTES = 256 * 2**20
 LOSS_PATH = "chunked torch (lm_head + loss on supervised slots, gradient taken in forward)"
+# The key `term_sums` receives the unweighted sum of -log q(label) under: the plain cross-entropy
+# that every objective and slot weighting logs alike (a space keeps it apart from any term's name).
+PLAIN_CE = "plain ce"
 
 
 def chunk_rows_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -44,8 +47,9 @@ class _LinearTargetLoss(torch.autograd.Function):
     """Per row i: loss_i = sum_t coef_t * term_t(p_i, softmax(h_i W^T)) over `terms`
     (objectives.py); the hard label is K = 1 with p = 1. Row weights: `row_weights` [N], or
     `weigh(ce [N]) -> [N]` from each row's cross-entropy against its label (D-PACE). Returns
-    (sum_i w_i * loss_i, hits [N, 3] or an empty tensor, each term's sum_i w_i * term_i [T]):
-    the top-1/4/8 hits of `ids[:, 0]` are read off the same chunk of logits."""
+    (sum_i w_i * loss_i, hits [N, 3] or an empty tensor, [each term's sum_i w_i * term_i (T
+    values), then sum_i -log q_i(ids[i, 0]) unweighted]): the top-1/4/8 hits and the plain
+    cross-entropy of the hard label `ids[:, 0]` are read off the same chunk of logits."""
 
     @staticmethod
     def forward(ctx, h, weight, ids, probs, row_weights, chunk_rows, with_hits, terms=(("ce", 1.0),), weigh=None):
@@ -82,7 +86,7 @@ class _LinearTargetLoss(torch.autograd.Function):
             grad_h.mul_(w[:, None])
         sums = torch.stack([(rows[name].double() * w.double()).sum() for name in terms])
         total = sum(coef * sums[i] for i, coef in enumerate(terms.values()))
-        sums = sums.to(torch.float32)
+        sums = torch.cat([sums, ce.double().sum().reshape(1)]).to(torch.float32)
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
         ctx.mark_non_differentiable(hits, sums)
@@ -92,6 +96,7 @@ class _LinearTargetLoss(torch.autograd.Function):
     def _first_recipe(ctx, h, weight, ids, probs, row_weights, chunk_rows, with_hits):
         """ce or kl with fixed row weights: the path before issue 42, kept as it was (same bits)."""
         total = torch.zeros((), dtype=torch.float64, device=h.device)
+        plain = torch.zeros((), dtype=torch.float64, device=h.device)
         hits = torch.zeros(h.shape[0] if with_hits else 0, 3, dtype=torch.bool, device=h.device)
         # The loss is a sum that backward only scales: its gradient w.r.t. h is computed here,
         # from the chunk's logits while they exist, instead of recomputing them in backward
@@ -106,6 +111,7 @@ class _LinearTargetLoss(torch.autograd.Function):
             p = probs[a:b]
             per_row = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
             total += (per_row * row_weights[a:b]).sum().double()
+            plain -= logq[:, 0].sum().double()
             if with_hits:
                 hit = logits.topk(top, dim=-1).indices == ids[a:b, :1]
                 hits[a:b, 0], hits[a:b, 1], hits[a:b, 2] = hit[:, 0], hit[:, :4].any(-1), hit.any(-1)
@@ -117,7 +123,7 @@ class _LinearTargetLoss(torch.autograd.Function):
                 grad_h[a:b] = grad.to(weight.dtype) @ weight
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
-        sums = total.to(torch.float32).reshape(1)
+        sums = torch.stack([total, plain]).to(torch.float32)
         ctx.mark_non_differentiable(hits, sums)
         return total.to(torch.float32), hits, sums
 
@@ -139,7 +145,8 @@ def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, la
     sum(w)` (or the KL) and its gradient, without the [A*B, V] logits. With `dpace_alpha`, the
     slot weights are D-PACE's from the drafter's own cross-entropy, on the slots where `weights`
     > 0 (give 0/1 weights then: the mask). `term_sums`, when given, receives each term's
-    weighted sum (no grad)."""
+    weighted sum and, under PLAIN_CE, the unweighted sum of the hard label's cross-entropy over
+    the same slots (no grad)."""
     rows = weights.reshape(-1) > 0
     h = final_hidden.reshape(-1, final_hidden.shape[-1])[rows]
     w = weights.reshape(-1)[rows].float()
@@ -160,6 +167,7 @@ def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, la
                                                    tuple(terms.items()), weigh)
     if term_sums is not None:
         term_sums.update({name: sums[i] for i, name in enumerate(terms)})
+        term_sums[PLAIN_CE] = sums[-1]
     hits = None
     if with_hits:
         hits = torch.zeros(*weights.shape, 3, dtype=torch.bool, device=weights.device)

@@ -35,6 +35,14 @@ NLA_FLOOR = 1e-5
 LK_ETA = 3.0
 
 
+def describe_slot_weights(position_weight: str, gamma: float, alpha: float) -> str:
+    """What weighs the slots, as run.json records it: under dpace the decay's gamma (a preset's,
+    say) is in the config but plays no part, and the record says so."""
+    if position_weight == "dpace":
+        return f"dpace (alpha {alpha:g}; gamma {gamma:g} unused)"
+    return f"decay exp(-(k-1)/{gamma:g})"
+
+
 def needs_distribution(terms: dict[str, float]) -> bool:
     """Whether the loss reads the target's stored top-k (every term but ce does)."""
     return any(name != "ce" for name in terms)

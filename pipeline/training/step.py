@@ -28,7 +28,7 @@ from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
-from pipeline.training.loss import supervised_loss
+from pipeline.training.loss import PLAIN_CE, supervised_loss
 from pipeline.training.objectives import needs_distribution
 
 
@@ -111,6 +111,9 @@ class StepRunner:
                 raise PipelineError("the full-logits reference path computes loss 'ce' or 'kl' with decay only")
             with self._autocast():
                 logits = forward_logits(self.model, packed)
+            rows = packed.weights > 0
+            self._term_sums[PLAIN_CE] = self._term_sums.get(PLAIN_CE, 0) + torch.nn.functional.cross_entropy(
+                logits[rows].float(), packed.labels[rows].long(), reduction="sum").detach().double()
             return loss_sum(logits, packed, self.cfg.loss), lambda: metric_sums(
                 logits.detach(), packed.labels, packed.weights, packed.real_blocks)
         with self._autocast():
@@ -167,7 +170,7 @@ class StepRunner:
             if sums is None:
                 sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
             # Each term's share of the loss: every term the loss names, zero on a rank without one.
-            terms = [self._term_sums.get(name, torch.zeros((), dtype=torch.float64)) for name in self.terms]
+            terms = [self._term_sums.get(name, torch.zeros((), dtype=torch.float64)) for name in (*self.terms, PLAIN_CE)]
             flat = torch.cat([v.reshape(-1).double() for v in sums.values()]
                              + [t.cpu().reshape(1).double() for t in terms] + [total_loss.cpu().reshape(1)])
             flat = all_sum(flat, self.world, self.device)
@@ -177,6 +180,8 @@ class StepRunner:
                 i += v.numel()
             result["loss"] = float(flat[-1]) / global_w
             result["loss_terms"] = {name: float(flat[i + j]) / global_w for j, name in enumerate(self.terms)}
+            # Unweighted: comparable across objectives and slot weightings (README: Metrics).
+            result["ce"] = float(flat[i + len(self.terms)]) / max(float(out["supervised"]), 1.0)
             result["metrics"] = finish_metrics(out)
         return result
 

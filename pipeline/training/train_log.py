@@ -28,7 +28,7 @@ def log_record(result: dict, trainer: StepRunner, interval: Interval, *, step, e
     tokens = float(all_sum(torch.tensor(float(interval.tokens), dtype=torch.float64), trainer.world, trainer.device))
     m = result["metrics"]
     return LogLine(
-        step=step, epoch=epoch, loss=result["loss"], accuracy=m["accuracy"], top4_acc=m["top4_acc"],
+        step=step, epoch=epoch, loss=result["loss"], ce=result["ce"], accuracy=m["accuracy"], top4_acc=m["top4_acc"],
         top8_acc=m["top8_acc"], avg_streak=m["avg_streak"], ddtree_streak4=m["ddtree_streak4"],
         ddtree_streak8=m["ddtree_streak8"], pos_acc=m["pos_acc"], lr=result["lr"], grad_norm=result["grad_norm"],
         noise_std=result["noise_std"], tok_per_sec=tokens / seconds, elapsed_s=elapsed,

@@ -75,7 +75,7 @@ def show_train(summary: dict, json_out: bool) -> None:
         return
     last = summary.pop("last") or {}
     rows = [(k, v) for k, v in summary.items()]
-    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8") if k in last]
+    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "ce", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8") if k in last]
     console.print(key_value_table("train", rows))
 
 
@@ -237,10 +237,11 @@ def _report_run(run: dict) -> None:
                       f"{ext:.4g}" if isinstance(ext, float) else "")
     console.print(table)
     checkpoints = Table(title=f"{run['name']}: rolling means at checkpoints", title_justify="left")
-    for col in ("at", "loss", "accuracy", "avg_streak", "ddtree_streak8"):
+    shown = ("loss", "ce", "accuracy", "avg_streak", "ddtree_streak8")
+    for col in ("at", *shown):
         checkpoints.add_column(col)
     for c in run["checkpoints"]:
-        checkpoints.add_row(c["at"], *(_mean_with_ci(c[m]) for m in ("loss", "accuracy", "avg_streak", "ddtree_streak8")))
+        checkpoints.add_row(c["at"], *(_mean_with_ci(c[m]) for m in shown))
     console.print(checkpoints)
     for problem in run["cliffs"]:
         console.print(f"[bold red]cliff[/] {problem['metric']} at step {problem['step']:g}: "
@@ -262,7 +263,7 @@ def _report_comparison(result: dict) -> None:
     for col in ("step", "metric", *names, "leader", "margin", "beyond noise"):
         table.add_column(col)
     for row in result["comparison"]:
-        for metric in ("loss", "accuracy", "avg_streak"):
+        for metric in ("loss", "ce", "accuracy", "avg_streak"):
             e = row[metric]
             means = [f"{e['means'][n]:.4g}" if isinstance(e["means"][n], float) else "missing" for n in names]
             table.add_row(f"{row['step']:g}", metric, *means, e.get("leader", ""),

@@ -20,7 +20,7 @@ CHECKPOINT_EVERY = 10
 # Killed while writing the step-20 checkpoint: the run resumes from step 10, so steps 11-20 were
 # already sent to the trackers once and are logged again.
 KILL_AT = "checkpoint.written@2"
-DESIGN_KEYS = ("epoch", "loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4", "ddtree_streak8",
+DESIGN_KEYS = ("epoch", "loss", "ce", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4", "ddtree_streak8",
                "lr", "grad_norm", "noise_std", "tok_per_sec", "elapsed_s")
 
 
