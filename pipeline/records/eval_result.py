@@ -112,9 +112,30 @@ class EvalResult:
             plain = {name: raw.get(name) for name in names} | {"prompts": raw["prompts"], "lossless": raw["lossless"]}
             plain["by_kind"] = raw.get("by_kind") or {}
             reference = raw.get("plain_sampling" if raw.get("sampling") else "greedy") or {}
-            return cls(reference=reference, variants=dict(variants_in(raw, strict=True)), **plain)
+            variants = {v: _current(figures) for v, figures in variants_in(raw, strict=True)}
+            return cls(reference=reference, variants=variants, **plain)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PipelineError(f"{where}: not a `pipeline eval --json` result (missing or bad field {e})") from None
+
+
+# Where a decoded output departs from greedy other than at a tie, eval writes one record per
+# prompt under "mismatches" (pipeline/speculative/summary.py). Before issue 57 a list of the same
+# prompts' numbers sat beside it as "mismatched_prompts", and before the records (issue 40) it was
+# the only list: `_current` reads both shapes as today's.
+LEGACY_MISMATCHES = "mismatched_prompts"
+
+
+def _current(figures: dict) -> dict:
+    """A variant's figures as eval writes them now: an older file's `mismatched_prompts` dropped,
+    turned into `mismatches` records (prompt only: where it departed was not recorded) when the
+    file has no records."""
+    if not isinstance(figures, dict) or LEGACY_MISMATCHES not in figures:
+        return figures
+    current = {k: v for k, v in figures.items() if k != LEGACY_MISMATCHES}
+    if "mismatches" not in current:
+        current["mismatches"] = [{"prompt": int(i), "position": None, "greedy_token": None, "speculative_token": None,
+                                  "gap": None, "tolerance": None, "tie": False} for i in figures[LEGACY_MISMATCHES]]
+    return current
 
 
 def variants_of(params: dict[str, list[int]]) -> list[Variant]:

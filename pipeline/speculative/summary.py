@@ -8,13 +8,16 @@ from __future__ import annotations
 import statistics
 
 from pipeline.speculative.decode import Decoded
-from pipeline.speculative.ties import Departure
+from pipeline.speculative.ties import Departure, first_difference
 
 
 def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, greedy_seconds: float, block: int,
               departures: list[Departure] = (), *, sampled: bool = False) -> dict:
     """`departures`: the judged differences from greedy (ties.judge_departures); a prompt whose
-    output differs and is not among them counts as a mismatch. `sampled`: the reference is plain
+    output differs and is not among them counts as a mismatch. `mismatches` holds the first 20 of
+    those prompts, one record each (prompt, position, the two tokens; gap and tolerance where
+    judged); the list of their numbers that sat beside it, `mismatched_prompts`, said the same
+    and is gone (older files: records/eval_result.py reads them). `sampled`: the reference is plain
     sampling, whose outputs a sampled speculative run shares only in distribution (tested, not
     compared per prompt), so the speed-up is against it and there is no identity to count."""
     steps = [a + 1 for r in runs for a in r.accepted]
@@ -24,7 +27,11 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
         histogram[str(s)] = histogram.get(str(s), 0) + 1
     ties = [d for d in departures if d.tie]
     tied = {d.prompt for d in ties}
-    mismatches = [i for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens and i not in tied]
+    judged = {d.prompt: d for d in departures if not d.tie}
+    # One record per prompt that departs from greedy other than at a tie: its judged departure, or
+    # (not judged) where the two outputs part, so the list says which prompts and where.
+    mismatches = [judged.get(i) or _unjudged(i, g.tokens, r.tokens)
+                  for i, (r, g) in enumerate(zip(runs, reference)) if r.tokens != g.tokens and i not in tied]
     figures = {
         **tau_figures(runs),
         "accept_histogram": histogram,
@@ -38,10 +45,17 @@ def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, gre
     return {
         **figures,
         "speedup_vs_greedy": greedy_seconds / max(seconds, 1e-9),
-        "identical_to_greedy": len(runs) - len(mismatches) - len(tied), "mismatched_prompts": mismatches[:20],
+        "identical_to_greedy": len(runs) - len(mismatches) - len(tied),
         "departed_at_ties": len(tied), "ties": [d.record() for d in ties[:20]],
-        "mismatches": [d.record() for d in departures if not d.tie][:20],
+        "mismatches": [d.record() for d in mismatches[:20]],
     }
+
+
+def _unjudged(prompt: int, greedy: list[int], speculative: list[int]) -> Departure:
+    """Where two outputs part, with no forward to judge the gap: a mismatch."""
+    at = first_difference(greedy, speculative)
+    return Departure(prompt, at, greedy[at] if at < len(greedy) else None,
+                     speculative[at] if at < len(speculative) else None, None, None, False)
 
 
 def tau_figures(runs: list[Decoded]) -> dict:

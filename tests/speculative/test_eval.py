@@ -55,7 +55,7 @@ def full_eval(trained, heldout_rows, tmp_path_factory):
 def test_block_and_tree_decoding_equal_greedy_on_every_evaluated_prompt(full_eval):
     result = full_eval
     assert result["prompts"] == PROMPTS
-    assert result["lossless"], (result["block"]["mismatched_prompts"], result["tree"]["16"]["mismatched_prompts"])
+    assert result["lossless"], (result["block"]["mismatches"], result["tree"]["16"]["mismatches"])
     assert result["block"]["identical_to_greedy"] == result["tree"]["16"]["identical_to_greedy"] == PROMPTS
     block = result["block"]
     assert sum(block["accept_histogram"].values()) * block["tau_pooled"] == pytest.approx(block["tokens"], rel=0.02)
@@ -352,7 +352,7 @@ def test_odd_prompts_decode_losslessly(trained, tmp_path):
     result = run_eval(trained, target=None, prompts=path, max_new_tokens=20, block_size=None, tree_budgets=[16, 64],
                       tree_top_k=8, limit=None, tree_verify="tree")
     assert result["prompts"] == len(rows) >= 12
-    assert result["lossless"], (result["block"]["mismatched_prompts"], {b: t["mismatched_prompts"] for b, t in result["tree"].items()})
+    assert result["lossless"], (result["block"]["mismatches"], {b: t["mismatches"] for b, t in result["tree"].items()})
     assert result["greedy"]["tokens"] > 4 * len(rows)  # most prompts decode more than a token or two
     assert result["tree"]["64"]["target_tokens_per_verify"] == 65.0  # every node once, the root included
 

@@ -81,3 +81,22 @@ def test_an_older_eval_document_reads_what_it_has_and_a_foreign_one_is_one_line(
     assert (result.prompts, result.lossless, result.drafter, result.by_kind, result.reference) == (2, True, None, {}, {})
     with pytest.raises(PipelineError, match=r"^x.json: not a `pipeline eval --json` result \(missing or bad field 'block'\)$"):
         EvalResult.from_json({"prompts": 2, "lossless": True, "tree": {}}, "x.json")
+
+
+def test_an_older_eval_file_reads_as_today_s_one_mismatch_list():
+    """Issue 57: `mismatched_prompts` (the prompts' numbers) and `mismatches` (one record per such
+    prompt) said one thing; eval writes only `mismatches` now. A file from before the records (the
+    numbers alone) and one from between (both) read with `mismatches` only, written here by hand."""
+    record = {"prompt": 2, "position": 7, "greedy_token": 11, "speculative_token": 12, "gap": 3.0, "tolerance": 0.25,
+              "tie": False}
+    oldest = {**RESULT, "lossless": False, "block": {**RESULT["block"], "mismatched_prompts": [2, 5]}}
+    between = {**RESULT, "lossless": False, "block": {**RESULT["block"], "mismatched_prompts": [2], "mismatches": [record]}}
+    blank = {"position": None, "greedy_token": None, "speculative_token": None, "gap": None, "tolerance": None, "tie": False}
+    [(_, figures)] = [(v, f) for v, f in EvalResult.from_json(oldest).variants.items() if v.name == "block"]
+    assert "mismatched_prompts" not in figures
+    assert figures["mismatches"] == [{"prompt": 2, **blank}, {"prompt": 5, **blank}]
+    [(_, figures)] = [(v, f) for v, f in EvalResult.from_json(between).variants.items() if v.name == "block"]
+    assert "mismatched_prompts" not in figures and figures["mismatches"] == [record]
+    assert figures["tau_pooled"] == 2.5
+    trees = EvalResult.from_json(RESULT).variants   # a lossless file is read as written
+    assert [f for v, f in trees.items() if v.name == "tree8"] == [{"tau_pooled": 3.0}]

@@ -48,7 +48,8 @@ def test_a_departure_to_the_twin_is_a_tie(twins):
     [found] = judge_departures(live, [prompt], [departed], [Decoded(tokens)], torch.float32)
     assert found.tie and found.position == at and (found.greedy_token, found.speculative_token) == (tokens[at], other)
     summary = summarise([departed], [Decoded(tokens)], 1.0, 1.0, 16, [found])
-    assert summary["identical_to_greedy"] == 0 and summary["departed_at_ties"] == 1 and summary["mismatched_prompts"] == []
+    assert summary["identical_to_greedy"] == 0 and summary["departed_at_ties"] == 1 and summary["mismatches"] == []
+    assert "mismatched_prompts" not in summary   # one list says which prompts departed (issue 57)
 
 
 def test_a_departure_to_a_far_token_is_a_bug(twins):
@@ -60,7 +61,8 @@ def test_a_departure_to_a_far_token_is_a_bug(twins):
     [found] = judge_departures(live, [prompt], [departed], [Decoded(tokens)], torch.float32)
     assert not found.tie and found.gap == pytest.approx(float(logits.max() - logits[far]), abs=1e-4)
     summary = summarise([departed], [Decoded(tokens)], 1.0, 1.0, 16, [found])
-    assert summary["mismatched_prompts"] == [0] and summary["departed_at_ties"] == 0
+    assert [m["prompt"] for m in summary["mismatches"]] == [0] and summary["departed_at_ties"] == 0
+    assert summary["mismatches"][0]["position"] == at and summary["mismatches"][0]["speculative_token"] == far
 
 
 def test_a_shorter_output_is_a_bug_and_identical_ones_are_not_judged(twins):
@@ -75,3 +77,15 @@ def test_the_tolerance_is_a_few_rounding_steps_of_the_dtype():
     assert tie_tolerance(6.0, torch.bfloat16) == 8 * 0.03125
     assert tie_tolerance(-20.0, torch.bfloat16) == 8 * 0.125
     assert tie_tolerance(6.0, torch.float32) < 1e-5
+
+
+def test_a_departure_nobody_judged_is_a_mismatch_that_says_where():
+    """Without a judged departure (a caller that runs no forward) a differing output is still one
+    record under `mismatches`: the prompt, the first position where the outputs part, both tokens."""
+    greedy_out, spoken = Decoded([5, 6, 7, 8]), Decoded([5, 6, 9])
+    summary = summarise([Decoded([1, 2]), spoken], [Decoded([1, 2]), greedy_out], 1.0, 1.0, 4)
+    assert summary["identical_to_greedy"] == 1 and summary["mismatches"] == [
+        {"prompt": 1, "position": 2, "greedy_token": 7, "speculative_token": 9, "gap": None, "tolerance": None,
+         "tie": False}]
+    shorter = summarise([Decoded([5, 6])], [greedy_out], 1.0, 1.0, 4)["mismatches"][0]
+    assert (shorter["position"], shorter["greedy_token"], shorter["speculative_token"]) == (2, 7, None)
