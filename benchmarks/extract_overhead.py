@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.embedded import TARGET_DIR  # noqa: E402
+from pipeline.machine import describe_machine  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
@@ -192,8 +193,7 @@ def main() -> None:
                 "hidden_vs_raw_bf16": s["raw_bf16_hidden_bytes_per_token"] / (hidden_bytes / tokens),
                 "topk_share_of_stored": topk_bytes / s["stored_bytes"],
             }
-        result = {"overhead": overhead, "storage": storage, "machine": {"cpus": os.cpu_count(),
-                  "torch_threads": torch.get_num_threads()}}
+        result = {"overhead": overhead, "storage": storage, "machine": describe_machine()}
         print(json.dumps(result, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from pipeline.drafter.batch import final_hidden, pack, prepare  # noqa: E402
 from pipeline.drafter.blocks import block_mask  # noqa: E402
+from pipeline.machine import describe_machine  # noqa: E402
 from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path  # noqa: E402
 
@@ -222,7 +223,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("no GPU: run with --smoke for the toy sizes")
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "machine": describe_machine()}
     for name, check in (("equality", lambda: equality(device, args.smoke)),
                         ("flagship_steps", lambda: flagship(device, args.smoke, args.repeats)),
                         ("loss_kernels", lambda: fused_losses(device, args.smoke))):

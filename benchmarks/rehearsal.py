@@ -34,9 +34,11 @@ of a few dozen (about 35 tokens a second at tp 1 and 15 at tp 8 on 2 cores); one
 and 4 anchors (fp32 weights, gradients and AdamW state of one layer at 5120 are about 8 GB a rank
 with two ranks).
 
-Prints one JSON document (each stage: command, wall seconds, the peak RSS and peak anonymous
-memory of its largest process, each rank's for torchrun, result) and exits 1 at the first stage
-that fails.
+Prints one JSON document (the machine: CPU model and its bf16 support, pipeline/machine.py; each
+stage: command, wall seconds, the peak RSS and peak anonymous memory of its largest process, each
+rank's for torchrun, result) and exits 1 at the first stage that fails. The per-stage table (the
+machine's line above it: with avx512_bf16 the small rehearsal took 17 minutes, without 82) goes to
+stderr at the end, and to `--table FILE` too, also when a stage failed.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from process_memory import ProcessMemory  # noqa: E402
+from pipeline.machine import describe_machine, machine_line  # noqa: E402
 from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
 from pipeline.records.verify_result import VerifyResult  # noqa: E402
 
@@ -98,6 +101,15 @@ class Rehearsal:
             except json.JSONDecodeError:
                 record["result"] = done.stdout[-2000:]
         return record.get("result") or {}
+
+
+def stage_table(stages: list[dict], machine: dict) -> str:
+    """The stages' wall times and peak memory as a markdown table under the machine's line."""
+    lines = [f"Machine: {machine_line(machine)}", "", "| stage | wall s | peak RSS GB | peak anonymous GB | exit |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {s['stage']} | {s['wall_s']} | {s['peak_rss_gb']} | {s['peak_anon_gb']} | {s['exit']} |" for s in stages]
+    lines.append(f"| all stages | {round(sum(s['wall_s'] for s in stages), 1)} | | | |")
+    return "\n".join(lines) + "\n"
 
 
 def pipeline(*args: str) -> list[str]:
@@ -208,7 +220,11 @@ def main() -> None:
                              "of anonymous memory a rank and the frozen 5 GB embedding and lm_head shared)")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (the 11 GB target is reused by a rerun)")
+    parser.add_argument("--table", type=Path, default=None,
+                        help="also write the per-stage table (markdown, the machine's CPU and bf16 support above it) here")
     args = parser.parse_args()
+    if args.table is not None and not args.table.parent.is_dir():
+        parser.error(f"--table must be a file in an existing folder, got {args.table}")
     tokenizer, template = FIXTURES / "tokenizers" / "qwen3.6", FIXTURES / "chat_templates" / "qwen3.6.jinja"
     if not tokenizer.is_dir() or not template.is_file():
         raise SystemExit(f"the Qwen3.6 tokenizer and template are not in {FIXTURES}: the rehearsal needs them")
@@ -221,7 +237,8 @@ def main() -> None:
     bucket = server.new_bucket()
     env = {**server.env(relay.endpoint), "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "200"}
     r = Rehearsal(work, env)
-    summary: dict = {"work": str(work), "layers": args.layers, "rows": args.rows, "longest": args.longest,
+    machine = describe_machine()
+    summary: dict = {"machine": machine, "work": str(work), "layers": args.layers, "rows": args.rows, "longest": args.longest,
                      "drafter_layers": args.drafter_layers, "train_ranks": args.train_ranks}
     try:
         target = work / "target"
@@ -313,6 +330,10 @@ def main() -> None:
                            "tree_identical": evaluation["tree"]["16"]["identical_to_greedy"],
                            "tree_departed_at_ties": evaluation["tree"]["16"]["departed_at_ties"]}
     finally:
+        table = stage_table(r.stages, machine)
+        print(table, file=sys.stderr)
+        if args.table is not None:
+            args.table.write_text(table, encoding="utf-8")
         relay.stop()
         server.stop()
         if not args.keep and args.work is None:

@@ -49,6 +49,7 @@ from pipeline.cache.reader import CacheReader  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.training.stream import SampleStream, StreamState  # noqa: E402
 from pipeline.embedded import TRAIN_DATA  # noqa: E402
+from pipeline.machine import describe_machine, machine_line  # noqa: E402
 from stages.extract import run_extract  # noqa: E402
 
 QWEN_TAPS, QWEN_HIDDEN = 5, 5120
@@ -262,7 +263,8 @@ def markdown(r: dict, command: str) -> str:
     o, s, rp, t, sc = r["overhead"], r["storage"], r["read_path"], r["train"], r["scaling"]
     ok = lambda met: "met" if met else "**missed**"  # noqa: E731
     lines = [
-        f"Command: `{command}`. Machine: {r['machine']['cpus']} CPU cores ({r['machine']['processor']}), "
+        # The CPU's bf16 support beside the times: CPU wall times differ by up to 10x with it.
+        f"Command: `{command}`. Machine: {machine_line({**r['machine'], 'gpu': None})}, "
         f"torch {r['machine']['torch']}, {r['machine']['torch_threads']} threads; {r['machine']['gpu']}. Date: {r['date']}.",
         "",
         "| # | measurement | value | goal |",
@@ -304,10 +306,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     started = time.perf_counter()
     try:
-        result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                              "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                              else "no GPU: GPU figures not measured"},
+        machine = describe_machine()
+        result = {"machine": {**machine, "processor": platform.processor() or platform.machine(),
+                              "gpu": machine["gpu"] or "no GPU: GPU figures not measured"},
                   "date": time.strftime("%Y-%m-%d")}
         print("1/5 extraction overhead", file=sys.stderr)
         result["overhead"] = overhead(work, args.quick)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from pipeline.embedded import EMBEDDED_DIR
+from pipeline.machine import describe_machine
 from pipeline.toy import chat, tasks
 from pipeline.toy.generate import regenerate
 from pipeline.toy.model import tiny_config
@@ -233,7 +234,7 @@ def build(out: Path, *, seed: int, num_steps: int, dataset_only: bool = False, s
         if dataset_only else {
             "tokenizer": t_tok - t0, "train": t_train - t_tok, "accuracy": t_eval - t_train,
             "dataset": t_data - t_eval, "total": time.perf_counter() - t0},
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version()},
+        "machine": {**describe_machine(), "python": platform.python_version()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "files": {str(p.relative_to(scratch)): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files},
     }

@@ -93,7 +93,8 @@ FLOORS = [
     ("independent", ["pipeline.ui"]),
     ("independent", ["pipeline.records"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
-                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.schedule", "pipeline.threads",
+                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.machine", "pipeline.schedule",
+                "pipeline.threads",
                 "pipeline"]),
 ]
 

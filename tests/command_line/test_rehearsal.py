@@ -17,15 +17,23 @@ import pytest
 
 from harness.runs import REPO
 
+# The per-stage table (wall times, peak memory, the machine's CPU and bf16 support above it) is kept
+# when the test passes: written here, and printed past pytest's capture at the end.
+TABLE = "rehearsal-stages.md"
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("DFLASH_SLOW") != "1", reason="the flagship rehearsal (over an hour, 20 GB); DFLASH_SLOW=1")
-def test_every_stage_flows_at_the_flagship_widths(tmp_path):
+def test_every_stage_flows_at_the_flagship_widths(tmp_path, capsys):
+    table = tmp_path / TABLE
     done = subprocess.run([sys.executable, "benchmarks/rehearsal.py", "--rows", "2", "--longest", "800",
-                           "--train-ranks", "2", "--work", str(tmp_path / "work")],
+                           "--train-ranks", "2", "--work", str(tmp_path / "work"), "--table", str(table)],
                           cwd=REPO, capture_output=True, text=True, timeout=3 * 3600)
+    with capsys.disabled():   # shown on success too: the times are what a passing run is run for
+        print(f"\n{table}:\n{table.read_text() if table.is_file() else '(not written)'}")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     summary = json.loads(done.stdout)["summary"]
+    assert summary["machine"]["cpu"] and set(summary["machine"]["bf16"]) == {"avx512_bf16", "amx_bf16"}
     assert summary["stage_one"]["dry_run_raw_bytes_per_token"] == 4 + 1 + 4 + 32 * 8 + 4 + 5 * 5120 * 2
     assert summary["verify_bf16"]["recompute"] == "pass" and summary["verify_fp8"]["recompute"] == "pass"
     assert "fail" not in summary["verify_bf16"].values() and "fail" not in summary["verify_fp8"].values()
