@@ -1,8 +1,23 @@
-"""Stage two at the flagship shape on one GPU (issue 17): the checks a GPU node runs in a few
-minutes, printed as one JSON object (also written to --out).
+"""The first hour on a GPU node: every GPU path of the pipeline in one process on one GPU,
+within 10 minutes on one H200, printed as one JSON summary (also written to --out). A section
+that cannot run (no CUDA, no fla, no causal-conv1d, a compile failure) is one line in the
+summary, and the rest still runs. README: "Before your first GPU day".
 
   python benchmarks/gpu_check.py --out gpu_check.json          # on a GPU node (H200 / 80 GB)
   python benchmarks/gpu_check.py --smoke                        # the same code at toy sizes, CPU
+
+Pipeline sections (benchmarks/gpu_paths.py), in order, each with its peak memory:
+a. extract: `pipeline extract` of the embedded target (tokens/s, bytes/token, the kernel path each
+   shard recorded: "fla" where fla and causal-conv1d are installed); the bound linear-attention
+   kernels against transformers' torch reference on one forward (taps, logits, argmax) of the
+   embedded target and of a random target at Qwen3.6-27B's widths (4 layers, bf16).
+b. train: the checks below (flex attention vs the split and dense paths; the flagship-shape step
+   under bf16 autocast for micro-batches 1..8; the chunked loss against fused kernels), then the
+   tiny preset's drafter trained on (a)'s cache.
+c. eval greedy and sampled on the device (block, DDTree 16: lossless, tau, speed-up vs plain
+   decoding), and generate in-process.
+
+Stage two at the flagship shape (issue 17):
 
 1. equality: a small drafter (hidden 1024, a sliding-window layer then a full one, 16 anchors),
    fp32, the same batch and weights: loss and every parameter's gradient of the flex-attention
@@ -22,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import gpu_paths  # noqa: E402  (beside this file)
 from pipeline.drafter.batch import final_hidden, pack, prepare  # noqa: E402
 from pipeline.drafter.blocks import block_mask  # noqa: E402
 from pipeline.machine import describe_machine  # noqa: E402
@@ -224,17 +241,55 @@ def main() -> None:
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("no GPU: run with --smoke for the toy sizes")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "machine": describe_machine()}
-    for name, check in (("equality", lambda: equality(device, args.smoke)),
-                        ("flagship_steps", lambda: flagship(device, args.smoke, args.repeats)),
-                        ("loss_kernels", lambda: fused_losses(device, args.smoke))):
-        start = time.perf_counter()
-        result[name] = check()
-        result[f"{name}_wall_s"] = round(time.perf_counter() - start, 1)
-        print(json.dumps({name: result[name]}), flush=True)
+              "machine": describe_machine(), "packages": packages()}
+    size = "smoke" if args.smoke else "gpu"
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        work = Path(tmp)
+        sections = (("extract", lambda: gpu_paths.extract_embedded(device, size, work)),
+                    ("kernels", lambda: gpu_paths.kernels(device, size)),
+                    ("equality", lambda: equality(device, args.smoke)),
+                    ("flagship_steps", lambda: flagship(device, args.smoke, args.repeats)),
+                    ("loss_kernels", lambda: fused_losses(device, args.smoke)),
+                    ("train_and_eval", lambda: gpu_paths.train_and_eval(device, size, work)),
+                    ("generate", lambda: gpu_paths.generate(device, size, work)))
+        for name, check in sections:
+            gpu_paths.reset_peak(device)
+            start = time.perf_counter()
+            try:
+                result[name] = check()
+                if isinstance(result[name], dict):
+                    result[name].update(gpu_paths.peak(device))
+            except Exception as e:  # one line in the summary; the other sections still run
+                result[name] = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            result[f"{name}_wall_s"] = round(time.perf_counter() - start, 1)
+            print(json.dumps({name: result[name]}), flush=True)
+    result["failed"] = [name for name, _ in sections if isinstance(result[name], str) and result[name].startswith("failed")]
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
+
+
+def packages() -> dict:
+    """The versions a GPU node's offline wheels must match (README: Before your first GPU day);
+    "not installed" where absent, the import error's first line where one fails."""
+    import importlib
+    import importlib.metadata as metadata
+
+    out = {"cuda": torch.version.cuda}
+    for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"), ("triton", "triton"),
+                         ("transformers", "transformers"), ("zarr", "zarr"), ("numcodecs", "numcodecs"),
+                         ("obstore", "obstore")):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+            continue
+        try:
+            importlib.import_module(module)
+            out[name] = version
+        except Exception as e:  # noqa: BLE001 - a wheel built for another CUDA fails in many ways
+            out[name] = f"{version}, import failed: {(str(e).splitlines() or [''])[0][:160]}"
+    return out
 
 
 if __name__ == "__main__":

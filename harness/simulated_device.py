@@ -169,10 +169,14 @@ def _run(func, args, kwargs):
                            f"{tuple(host[0].shape)} mixed into device work)")
     if func in _SCALAR_READS:
         _count(_SCALAR_READS[func])
-    elif func in _VALUE_SIZED:
-        _count("value-sized")
+    elif func in _VALUE_SIZED or (func in _HOST_INDICES_ALLOWED and simulated and _has_mask(args[1])):
+        _count("value-sized")                             # a boolean mask as an index: its nonzero()
     out = func(*args, **kwargs)
     return out if to_host else _wrap(out)
+
+
+def _has_mask(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
 class _Creations(TorchDispatchMode):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.speculative.decode import Chooser, Decoded, _choose, _finish, _follow, drafting
-from pipeline.speculative.sampling import Sampling
+from pipeline.speculative.decode import Decoded, _choose, _finish, _follow, drafting
+from pipeline.speculative.sampling import TARGET, Sampling, draw_rows
 from pipeline.target_model.live import LiveTarget
-from pipeline.speculative.tree import DraftTree, build_tree
+from pipeline.speculative.tree import DraftTree, top_lists, tree_of
 
 
 def _chain(drafts: list[int]) -> DraftTree:
@@ -61,31 +61,36 @@ def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_ne
         rows = target.keep_rows(rows, active)
     while active:
         trees, qs, starts = [], [], list(rows.starts)
-        for i, pos in zip(active, starts):
-            logits = contexts[i].logits(bonus[i], pos) if draft is None else draft[i](bonus[i], pos)
-            if budget is None:
-                if sampling is None:
-                    drafts = logits.argmax(-1).tolist()
-                else:
-                    drafts, q = sampling.draft_chain(ids[i], pos, logits)
-                    qs.append(q)
+        drafted = [contexts[i].logits(bonus[i], pos) if draft is None else draft[i](bonus[i], pos)
+                   for i, pos in zip(active, starts)]
+        if budget is None and sampling is None:
+            # Every row's drafts in one read back to the host (one sync a step, not one a row).
+            trees = [_chain(d) for d in torch.stack(drafted).argmax(-1).tolist()]
+        elif budget is None:
+            for i, pos, logits in zip(active, starts, drafted):
+                drafts, q = sampling.draft_chain(ids[i], pos, logits)
+                qs.append(q)
                 trees.append(_chain(drafts))
-            else:
-                logprobs = torch.log_softmax(logits, dim=-1) if sampling is None else sampling.tree_logprobs(logits)
-                trees.append(build_tree(logprobs, budget, top_k))
-            results[i].drafts.append(list(trees[-1].tokens))
+        else:
+            logprobs = torch.stack([torch.log_softmax(logits, dim=-1) if sampling is None else sampling.tree_logprobs(logits)
+                                    for logits in drafted])
+            values, top = top_lists(logprobs, top_k)     # every row's in one read
+            trees = [tree_of(v, t, budget) for v, t in zip(values, top)]
+        for i, tree in zip(active, trees):
+            results[i].drafts.append(list(tree.tokens))
         size = max(len(t.tokens) for t in trees)
         padded = [_pad(t, size, bonus[i]) for t, i in zip(trees, active)]
         verified = target.verify_trees([t for t, _ in padded], [p for _, p in padded], rows)
         logits = verified.step.logits                        # [row, token, V]: the target's next-token logits
+        walked = sampling is None or budget is not None      # else speculative sampling's rule along the chain
+        choices = _choices(logits, trees, active, ids, starts, sampling) if walked else None
         paths, still = [], []
         for r, (i, tree) in enumerate(zip(active, trees)):
-            if sampling is not None and budget is None:      # speculative sampling's rule along the chain
+            if not walked:
                 n, choice = sampling.accept_chain(ids[i], starts[r], tree.tokens, qs[r], logits[r])
                 accepted, nodes = tree.tokens[:n], list(range(n))
             else:
-                chooser = Chooser(sampling, ids[i], starts[r])
-                accepted, choice, nodes = _follow(tree, lambda node, depth, r=r, c=chooser: c(logits[r, node + 1], depth))
+                accepted, choice, nodes = _follow(tree, lambda node, depth, r=r: choices[r][node + 1])
             path = [0, *(n + 1 for n in nodes)]
             paths.append(path)
             result = results[i]
@@ -104,3 +109,20 @@ def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_ne
     for result in results:
         result.target_passes = 1 + result.verify_passes     # its prefill, then the verify passes it took part in
     return results
+
+
+def _choices(logits_RNV: torch.Tensor, trees: list[DraftTree], active: list[int], ids: list[int], starts: list[int],
+             sampling: Sampling | None) -> list[list[int]]:
+    """Per row, the target's token after each of its tree's tokens (0: the bonus; padding
+    included), every row's in one read back to the host."""
+    if sampling is None:
+        return logits_RNV.argmax(-1).tolist()
+    n = logits_RNV.shape[1]
+    out = []
+    for r, (i, tree) in enumerate(zip(active, trees)):
+        depths = [0, *(d + 1 for d in tree.depths)]
+        depths += [0] * (n - len(depths))                  # padding leaves: drawn, never read
+        out.append([(ids[i], starts[r] + 1 + d) for d in depths])
+    flat = [sampling.u(row, position, TARGET) for row_keys in out for row, position in row_keys]
+    drawn = draw_rows(sampling.warp(logits_RNV.reshape(-1, logits_RNV.shape[-1])), flat)
+    return [drawn[r * n:(r + 1) * n] for r in range(len(out))]

@@ -111,17 +111,28 @@ def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int
     state, pos, bonus = _prefill(target, prompt, context, sampling, row)
     result = Decoded([])
     while not _finish(result.tokens, [bonus], eos, max_new):
-        if sampling is None:
-            drafts = draft(bonus, pos) if draft else context.logits(bonus, pos).argmax(-1).tolist()
+        on_device = None
+        if sampling is None and draft is None:
+            # The drafts stay on the device into the verify pass; they and the target's choices
+            # come back to the host in one read after it (one sync a step, not two).
+            on_device = context.logits(bonus, pos).argmax(-1)
+            drafts = torch.cat([on_device.new_tensor([bonus]), on_device])
+        elif sampling is None:
+            drafts = draft(bonus, pos)
         else:
             drafts, q = sampling.draft_chain(row, pos, draft(bonus, pos) if draft else context.logits(bonus, pos))
-        result.drafts.append(drafts)
-        verified = target.verify([bonus, *drafts], state, pos, with_hidden=context is not None)
+        verified = target.verify(drafts if on_device is not None else [bonus, *drafts], state, pos,
+                                 with_hidden=context is not None)
         verify = verified.step
+        if on_device is not None:
+            read = torch.cat([on_device, verify.logits.argmax(-1)]).tolist()
+            drafts, choices = read[:len(on_device)], read[len(on_device):]
+        elif sampling is None:
+            choices = verify.logits.argmax(-1).tolist()  # choices[k]: the target's token for position pos+k+1
+        result.drafts.append(drafts)
         result.verify_passes += 1
         result.verify_tokens += len(drafts) + 1
         if sampling is None:
-            choices = verify.logits.argmax(-1).tolist()  # choices[k]: the target's token for position pos+k+1
             n = 0
             while n < len(drafts) and drafts[n] == choices[n]:
                 n += 1
@@ -227,11 +238,20 @@ class Chooser:
     def __call__(self, logits: torch.Tensor, depth: int) -> int:
         return _choose(logits, self.pos + 1 + depth, self.sampling, self.row)
 
+    def many(self, logits_NV: torch.Tensor, depths: list[int]) -> list[int]:
+        """The target's token after each of N nodes (node i at depth depths[i]) from their logits,
+        in one read back to the host: every node's, the walk then reads the ones it reaches (a
+        sync per accepted token otherwise)."""
+        if self.sampling is None:
+            return logits_NV.argmax(-1).tolist()
+        return self.sampling.picks(self.row, [self.pos + 1 + d for d in depths], logits_NV)
+
 
 def _verify_as_tree(target: LiveTarget, tree, bonus: int, state, pos: int, chooser: Chooser):
     verified = target.verify_tree([bonus, *tree.tokens], [-1, *(p + 1 for p in tree.parents)], state, pos)
     logits = verified.step.logits                        # per tree token (0: the bonus), the target's next-token logits
-    accepted, choice, nodes = _follow(tree, lambda node, depth: chooser(logits[node + 1], depth))
+    choices = chooser.many(logits, [0, *(d + 1 for d in tree.depths)])
+    accepted, choice, nodes = _follow(tree, lambda node, depth: choices[node + 1])
     path = [0, *(n + 1 for n in nodes)]
     return accepted, choice, target.commit_path(verified, path), verified.step.hidden[path]
 
@@ -243,7 +263,11 @@ def _verify_as_paths(target: LiveTarget, tree, bonus: int, state, pos: int, choo
     verified = target.verify_rows(rows, state, pos)
     logits = verified.step.logits
     row_of = {n: r for r, p in enumerate(paths) for n in p}
-    accepted, choice, nodes = _follow(tree, lambda node, depth: chooser(logits[row_of.get(node, 0), depth], depth))
+    # Per tree token (0: the bonus), where its next-token logits are: (path row, depth).
+    at = [(0, 0), *((row_of[n], d + 1) for n, d in enumerate(tree.depths))]
+    index = torch.tensor(at, dtype=torch.long, device=logits.device)
+    choices = chooser.many(logits[index[:, 0], index[:, 1]], [d for _, d in at])
+    accepted, choice, nodes = _follow(tree, lambda node, depth: choices[node + 1])
     row = row_of[nodes[-1]] if nodes else 0
     keep = len(accepted) + 1
     return accepted, choice, target.commit(verified, keep, row=row), verified.step.hidden[row, :keep]

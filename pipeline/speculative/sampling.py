@@ -61,6 +61,15 @@ def draw(probs: torch.Tensor, u: float) -> int:
     return min(index, probs.shape[-1] - 1)
 
 
+def draw_rows(probs_NV: torch.Tensor, us: list[float]) -> list[int]:
+    """`draw` for each row with its own number, in one read back to the host (one GPU sync for
+    all rows instead of one each); the same tokens as `draw` row by row."""
+    cdf = probs_NV.double().cumsum(-1)
+    values = cdf[:, -1:] * torch.tensor(us, dtype=torch.float64, device=cdf.device)[:, None]
+    index = torch.searchsorted(cdf, values, right=True)[:, 0].clamp_max(probs_NV.shape[-1] - 1)
+    return index.tolist()
+
+
 class LosslessRule:
     """The acceptance test and the residual of speculative sampling. Tests plant faults by
     overriding one of the two and check that the distribution test catches them."""
@@ -71,7 +80,8 @@ class LosslessRule:
     def residual(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         r = (p - q).clamp_min(0)
         # All zero only when p == q up to rounding, where rejection has probability 0: draw from p.
-        return r if float(r.sum()) > 0 else p
+        # Chosen on the device: no read back to the host.
+        return torch.where(r.sum() > 0, r, p)
 
 
 @dataclass(frozen=True)
@@ -122,19 +132,27 @@ class Sampling:
     def draft_chain(self, row: int, pos: int, logits_DV: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """(draft tokens for positions pos+1.., the drafter's warped q [D, V]) from its block logits."""
         q = self.warp(logits_DV)
-        return [draw(q[k], self.u(row, pos + 1 + k, DRAFT)) for k in range(q.shape[0])], q
+        return draw_rows(q, [self.u(row, pos + 1 + k, DRAFT) for k in range(q.shape[0])]), q
 
     def accept_chain(self, row: int, pos: int, drafts: list[int], q: torch.Tensor,
                      target_logits: torch.Tensor) -> tuple[int, int]:
         """(accepted drafts n, the token emitted after them). target_logits[k] is the target's
         for position pos+1+k given the bonus and drafts[:k] (k = 0..len(drafts))."""
         p = self.warp(target_logits[:len(drafts) + 1])
-        for k, x in enumerate(drafts):
+        # p(x_k) and q(x_k) of every draft in one read back to the host (not two per draft).
+        slots = torch.arange(len(drafts), device=p.device)
+        x = torch.tensor(drafts, dtype=torch.long, device=p.device)
+        p_x, q_x = torch.stack([p[slots, x], q[slots, x].to(p.dtype)]).tolist() if drafts else ([], [])
+        for k in range(len(drafts)):
             position = pos + 1 + k
-            if not self.rule.accepts(float(p[k, x]), float(q[k, x]), self.u(row, position, ACCEPT)):
+            if not self.rule.accepts(p_x[k], q_x[k], self.u(row, position, ACCEPT)):
                 return k, draw(self.rule.residual(p[k], q[k]), self.u(row, position, RESIDUAL))
         n = len(drafts)
         return n, draw(p[n], self.u(row, pos + 1 + n, TARGET))
+
+    def picks(self, row: int, positions: list[int], logits_NV: torch.Tensor) -> list[int]:
+        """`pick` at each of `positions` from the matching row of logits, in one read back."""
+        return draw_rows(self.warp(logits_NV), [self.u(row, position, TARGET) for position in positions])
 
     def tree_logprobs(self, logits_DV: torch.Tensor) -> torch.Tensor:
         """log q for building the draft tree: the drafter's distribution at the same settings

@@ -36,11 +36,26 @@ class DraftTree:
         return out
 
 
+def top_lists(logprobs_XDV: torch.Tensor, top_k: int) -> tuple[list, list]:
+    """(values, ids) of the top-k per depth, as host lists, in one read back from the device (ids
+    travel as float64, exact below 2^53)."""
+    values, ids = logprobs_XDV.topk(min(top_k, logprobs_XDV.shape[-1]), dim=-1)
+    both = torch.stack([values.double(), ids.double()]).tolist()
+    return both[0], _ints(both[1])
+
+
+def _ints(nested):
+    return [_ints(x) for x in nested] if isinstance(nested, list) else int(nested)
+
+
 def build_tree(logprobs_DV: torch.Tensor, budget: int, top_k: int) -> DraftTree:
     """The best `budget` nodes over depths 0..D-1 (D = B-1 draft positions)."""
-    depth_count = logprobs_DV.shape[0]
-    values, ids = logprobs_DV.topk(min(top_k, logprobs_DV.shape[1]), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    return tree_of(*top_lists(logprobs_DV, top_k), budget)
+
+
+def tree_of(values: list[list[float]], ids: list[list[int]], budget: int) -> DraftTree:
+    """`build_tree` from the top-k lists per depth (`top_lists`)."""
+    depth_count = len(values)
     tree = DraftTree()
     heap = [(-values[0][0], 0, -1, 0, 0.0)]   # (-score, tie-break, parent node, rank, parent score)
     counter = 1

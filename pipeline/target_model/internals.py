@@ -18,8 +18,10 @@ there, naming it, instead of deep inside extract or eval.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import sys
 
 import torch
@@ -112,6 +114,25 @@ class KernelCallCounter:
         for attr, original in self._saved.items():
             setattr(self.module, attr, original)
         self._saved.clear()
+
+@contextlib.contextmanager
+def torch_fallback(model):
+    """Within: the model's linear-attention ops run transformers' torch reference implementations
+    whatever was bound at import (fla, causal_conv1d, a hub kernel): the reference that a GPU
+    check compares the kernels with. The wrapper keeps the torch function as `__wrapped__`."""
+    module = modeling_module_of(model)
+    saved = {}
+    for attr in LINEAR_ATTENTION_OPS:
+        fn = getattr(module, attr, None)
+        if fn is not None:
+            saved[attr] = fn
+            setattr(module, attr, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for attr, fn in saved.items():
+            setattr(module, attr, fn)
+
 
 # ---------------------------------------------------------------- the cache's layers
 

@@ -132,8 +132,10 @@ class LiveTarget:
             for i in range(1, n):
                 ancestry[b, i] |= ancestry[b, p[i]]
                 depth[b, i] = depth[b, p[i]] + 1
-        committed = rows.valid.cpu() if rows.valid is not None else torch.ones(count, rows.starts[0], dtype=torch.bool)
-        visible = torch.cat([committed[:, None, :].expand(-1, n, -1), ancestry], dim=2)[:, None].to(self.device)
+        # The tree's shape comes from the host, the committed slots' mask stays on the device: joined there.
+        committed = rows.valid if rows.valid is not None else \
+            torch.ones(count, rows.starts[0], dtype=torch.bool, device=self.device)
+        visible = torch.cat([committed[:, None, :].expand(-1, n, -1), ancestry.to(self.device)], dim=2)[:, None]
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
         internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths

@@ -156,23 +156,25 @@ class StepRunner:
                 (part * (self.world / global_w)).backward()
                 total_loss += part.detach().double()  # stays on the device: no sync per micro-batch
                 if with_metrics:
-                    sums = add_sums(sums, {k: v.cpu() for k, v in metric().items()})
+                    sums = add_sums(sums, metric())   # summed on the device; read once, at the log line
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        if not torch.isfinite(grad_norm):
+        # The step's one read back to the host: the finite check must precede the update.
+        norm, local_loss = torch.stack([grad_norm.double(), total_loss]).tolist()
+        if not math.isfinite(norm):
             ids = ", ".join(str(sid) for sid, _ in items[:8])
-            raise PipelineError(f"step {step}: non-finite gradient norm ({float(grad_norm)}); samples on rank "
+            raise PipelineError(f"step {step}: non-finite gradient norm ({norm}); samples on rank "
                                 f"{self.rank}: {ids}. Lower lr, or check these samples with `pipeline verify-cache`")
         self.optimizer.step()
         self._tokens += tokens
-        result = {"tokens": tokens, "grad_norm": float(grad_norm), "lr": self.lr(step), "noise_std": std,
-                  "local_loss": float(total_loss), "global_w": global_w}
+        result = {"tokens": tokens, "grad_norm": norm, "lr": self.lr(step), "noise_std": std,
+                  "local_loss": local_loss, "global_w": global_w}
         if with_metrics:
             if sums is None:
                 sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
             # Each term's share of the loss: every term the loss names, zero on a rank without one.
             terms = [self._term_sums.get(name, torch.zeros((), dtype=torch.float64)) for name in (*self.terms, PLAIN_CE)]
-            flat = torch.cat([v.reshape(-1).double() for v in sums.values()]
-                             + [t.cpu().reshape(1).double() for t in terms] + [total_loss.cpu().reshape(1)])
+            flat = torch.cat([v.reshape(-1).double().to(self.device) for v in sums.values()]
+                             + [t.reshape(1).double().to(self.device) for t in terms] + [total_loss.reshape(1)])
             flat = all_sum(flat, self.world, self.device)
             out, i = {}, 0
             for k, v in sums.items():
