@@ -16,12 +16,14 @@ REFERENCE = "greedy"  # the reference's timing key, whether it is greedy or plai
 
 
 def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], variants: list[Variant], settings: Settings,
-                    progress=None) -> tuple[list[Decoded], dict[Variant, list[Decoded]], dict[str, float]]:
+                    progress=None, on_batch=None) -> tuple[list[Decoded], dict[Variant, list[Decoded]], dict[str, float]]:
     """(reference, {variant: results per prompt}, seconds per variant name and REFERENCE); the
     reference is plain greedy decoding, or plain sampling with `settings.sampling` (prompt i's
     random numbers keyed by i, in every variant). With batch_size > 1 the speculative variants
-    decode that many prompts together. `progress(prompts, tokens=, note=)` after each batch of
-    prompts, with the first variant's (block's) tau so far."""
+    decode that many prompts together. After each batch of prompts, once every variant has decoded
+    it: `on_batch(first, reference, {variant: results})` with the batch's first prompt number and
+    its results (eval judges departures and writes --outputs lines there, outside the timings),
+    then `progress(prompts, tokens=, note=)` with the first variant's (block's) tau so far."""
     reference, runs = [], {v: [] for v in variants}
     seconds = {REFERENCE: 0.0, **{v.name: 0.0 for v in variants}}
     for first in range(0, len(prompts), settings.batch_size):
@@ -36,6 +38,8 @@ def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], variant
             t0 = time.perf_counter()
             runs[v] += decode(v, live, drafter, chunk, row_ids, settings)
             seconds[v.name] += time.perf_counter() - t0
+        if on_batch:
+            on_batch(first, reference[first:], {v: results[first:] for v, results in runs.items()})
         if progress and variants:
             lead = runs[variants[0]]
             new_tokens = sum(len(r.tokens) for r in lead[-len(chunk):])

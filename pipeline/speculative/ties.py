@@ -56,10 +56,11 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def judge_departures(live: LiveTarget, prompts: list[list[int]], runs: list[Decoded], reference: list[Decoded],
-                     dtype: torch.dtype) -> list[Departure]:
-    """A Departure for every prompt whose `runs` output differs from greedy's (`reference`)."""
+                     dtype: torch.dtype, *, first: int = 0) -> list[Departure]:
+    """A Departure for every prompt whose `runs` output differs from greedy's (`reference`);
+    `first`: the number of `prompts[0]` among all of eval's prompts (eval judges a batch at a time)."""
     found = []
-    for i, (run, greedy) in enumerate(zip(runs, reference)):
+    for i, (prompt, run, greedy) in enumerate(zip(prompts, runs, reference), start=first):
         if run.tokens == greedy.tokens:
             continue
         at = first_difference(greedy.tokens, run.tokens)
@@ -69,7 +70,7 @@ def judge_departures(live: LiveTarget, prompts: list[list[int]], runs: list[Deco
             found.append(Departure(i, at, greedy.tokens[at] if at < len(greedy.tokens) else None,
                                    run.tokens[at] if at < len(run.tokens) else None, None, None, False))
             continue
-        logits = live.run(prompts[i] + greedy.tokens[:at], None, 0, with_hidden=False, last_only=True).logits[-1]
+        logits = live.run(prompt + greedy.tokens[:at], None, 0, with_hidden=False, last_only=True).logits[-1]
         a, b = greedy.tokens[at], run.tokens[at]
         best = float(logits.max())
         gap = best - min(float(logits[a]), float(logits[b]))
