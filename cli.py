@@ -193,6 +193,7 @@ def eval_(
     top_p: Annotated[float, typer.Option(help="Sampling: keep the most likely tokens whose mass reaches this (1: off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sampling: keep the K most likely tokens (0: off).")] = 0,
     seed: Annotated[int, typer.Option(help="Sampling: the seed; a prompt's random numbers depend on it and the prompt's index only, so --batch-size does not change the tokens.")] = 0,
+    outputs: Annotated[Optional[Path], typer.Option(help="Also write what was decoded, a JSON line per prompt: its number, kind of turn, the reference's and every variant's ids and text, each variant's accepted draft tokens per verify step and (greedy) where it departed from greedy, at a tie or not. Written as each batch of prompts finishes, to FILE.partial (tail -f it), renamed to FILE when every prompt is in.", metavar="FILE")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Real speculative decoding with the live target: acceptance length tau for DFlash blocks and
@@ -206,7 +207,7 @@ def eval_(
                           tree_budgets=budgets, tree_top_k=tree_top_k, limit=limit, cache=cache, progress=bar.advance,
                           device=device, dtype=dtype, tree_verify=tree_verify, batch_size=batch_size, warn=warning,
                           report_to=report_to, on_total=bar.set_total, group_by=group_by, temperature=temperature,
-                          top_p=top_p, top_k=top_k, seed=seed)
+                          top_p=top_p, top_k=top_k, seed=seed, outputs=outputs)
     show_eval(result, json_out)
     if result["lossless"] is False:
         raise typer.Exit(1)

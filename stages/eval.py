@@ -9,10 +9,14 @@ of per-response means (as the DFlash paper does) and pooled over all steps.
 With `--temperature T > 0` the reference is plain sampling and the variants are speculative
 sampling (pipeline/speculative/sampling.py): lossless in distribution, which one sample per
 prompt cannot show, so outputs are not compared; tests/speculative/test_sampling.py tests it.
+
+With `--outputs FILE` every prompt's outputs are written as they are decoded, a JSON line per prompt
+(pipeline/speculative/outputs.py).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,7 +25,7 @@ from pipeline.cache.reader import open_cache
 from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
-from pipeline.records.eval_result import EvalResult, variants_of
+from pipeline.records.eval_result import EvalResult, reference_key, variants_of
 from pipeline.records.train_log import LOG_FILE
 from pipeline.training.run_record import resolve_drafter, target_mismatch
 from pipeline.speculative.teacher_forced import teacher_forced
@@ -30,6 +34,7 @@ from pipeline.errors import PipelineError
 from pipeline.speculative.compare import REFERENCE, decode_variants
 from pipeline.speculative.decode import TREE_VERIFY, choose_tree_verify
 from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
+from pipeline.speculative.outputs import OutputsWriter, check_outputs_path
 from pipeline.speculative.sampling import Sampling
 from pipeline.speculative.summary import summarise
 from pipeline.speculative.ties import judge_departures
@@ -45,10 +50,13 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
              cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
              tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None,
              on_total=None, group_by: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0) -> dict:
+             top_k: int = 0, seed: int = 0, outputs: Path | None = None) -> dict:
     """Decode every prompt with each variant; `progress(n, tokens=, note=)` per batch of prompts,
     `on_total(prompts)` once they are read. tau is also reported per kind of turn and, with
-    `group_by`, per value of that row field (pipeline/speculative/groups.py)."""
+    `group_by`, per value of that row field (pipeline/speculative/groups.py). `outputs`: a JSONL
+    file of what each prompt decoded, streamed per batch of prompts (pipeline/speculative/outputs.py)."""
+    if outputs is not None:  # a path eval could not write is one line before any decoding
+        check_outputs_path(Path(outputs))
     device_, dtype_ = resolve_device(device, dtype)
     sampling = sampling_of(temperature, top_p, top_k, seed)
     check_decoding_options(tree_verify, batch_size)
@@ -97,11 +105,28 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
     prompt_ids = [item["ids"] for item in items]
     settings = Settings(max_new=max_new_tokens, eos=eos, sampling=sampling, batch_size=batch_size, tree_top_k=tree_top_k,
                         tree_verify=tree_verify)
-    reference, runs, seconds = decode_variants(live, drafter, prompt_ids, variants_of({"tree": tree_budgets}), settings, progress)
-    greedy_tokens = sum(len(r.tokens) for r in reference)
+    variants = variants_of({"tree": tree_budgets})
     sampled = sampling is not None
-    departures = {v: [] if sampled else judge_departures(live, prompt_ids, results, reference, dtype_)
-                  for v, results in runs.items()}
+    markers = TurnMarkers.of(tokenizer)
+    departures = {v: [] for v in variants}
+    writer = (OutputsWriter(Path(outputs), tokenizer=tokenizer, markers=markers, reference_key=reference_key(sampled),
+                            sampled=sampled) if outputs is not None else None)
+
+    def finished(first: int, reference: list, runs: dict) -> None:
+        """A batch of prompts decoded by every variant: its departures judged, its lines written."""
+        batch = prompt_ids[first:first + len(reference)]
+        found = {v: [] if sampled else judge_departures(live, batch, results, reference, dtype_, first=first)
+                 for v, results in runs.items()}
+        for v, judged in found.items():
+            departures[v] += judged
+        if writer is not None:
+            writer.write_batch(first, batch, reference, runs, found)
+
+    with writer if writer is not None else nullcontext():
+        reference, runs, seconds = decode_variants(live, drafter, prompt_ids, variants, settings, progress, finished)
+        if writer is not None:
+            writer.finish()
+    greedy_tokens = sum(len(r.tokens) for r in reference)
     summaries = {v: summarise(results, reference, seconds[v.name], seconds[REFERENCE], block, departures[v], sampled=sampled)
                  for v, results in runs.items()}
     for v in summaries:
@@ -116,10 +141,11 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         reference={"tokens": greedy_tokens, "wall_s": seconds[REFERENCE],
                    "tokens_per_s": greedy_tokens / max(seconds[REFERENCE], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
-        variants=summaries, lossless=lossless, by_kind=by_kind(prompt_ids, reference, runs, TurnMarkers.of(tokenizer)),
+        variants=summaries, lossless=lossless, by_kind=by_kind(prompt_ids, reference, runs, markers),
         by_field=by_field(group_by, [item["fields"] for item in items], runs) if group_by else None,
         teacher_forced=(teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
-                        if cache_reader is not None else None))
+                        if cache_reader is not None else None),
+        outputs=str(outputs) if outputs is not None else None)
     if report_to:
         result.reported_to = {"trackers": report_to,
                               "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}

@@ -84,15 +84,16 @@ class EvalResult:
     by_field: dict | None = None
     teacher_forced: dict | None = None         # with --cache: the acceptance walk on the cache
     reported_to: dict | None = None            # with --report-to: trackers and the step
+    outputs: str | None = None                 # with --outputs: the file of what each prompt decoded
 
     @property
     def reference_key(self) -> str:
-        return "plain_sampling" if self.sampling else "greedy"
+        return reference_key(bool(self.sampling))
 
     def to_json(self) -> dict:
         """The document in the order eval has always written it: teacher_forced first (when there),
         the run's settings, the reference under "greedy" or "plain_sampling", each variant where
-        `nest` puts it, then lossless and the groups; by_field and reported_to only when there."""
+        `nest` puts it, then lossless and the groups; by_field, reported_to and outputs only when there."""
         names = [f.name for f in dataclasses.fields(self)]
         settings = names[:names.index("reference")]                         # drafter .. sampling
         out = {} if self.teacher_forced is None else {"teacher_forced": self.teacher_forced}
@@ -100,7 +101,8 @@ class EvalResult:
         out[self.reference_key] = self.reference
         out.update(nest(self.variants))
         out.update(lossless=self.lossless, by_kind=self.by_kind)
-        out.update({name: getattr(self, name) for name in ("by_field", "reported_to") if getattr(self, name) is not None})
+        out.update({name: getattr(self, name) for name in ("by_field", "reported_to", "outputs")
+                    if getattr(self, name) is not None})
         return out
 
     @classmethod
@@ -111,11 +113,16 @@ class EvalResult:
             names = [f.name for f in dataclasses.fields(cls) if f.name not in ("reference", "variants")]
             plain = {name: raw.get(name) for name in names} | {"prompts": raw["prompts"], "lossless": raw["lossless"]}
             plain["by_kind"] = raw.get("by_kind") or {}
-            reference = raw.get("plain_sampling" if raw.get("sampling") else "greedy") or {}
+            reference = raw.get(reference_key(bool(raw.get("sampling")))) or {}
             variants = {v: _current(figures) for v, figures in variants_in(raw, strict=True)}
             return cls(reference=reference, variants=variants, **plain)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PipelineError(f"{where}: not a `pipeline eval --json` result (missing or bad field {e})") from None
+
+
+def reference_key(sampled: bool) -> str:
+    """Where the reference's figures (and its outputs in --outputs lines) sit."""
+    return "plain_sampling" if sampled else "greedy"
 
 
 # Where a decoded output departs from greedy other than at a tie, eval writes one record per

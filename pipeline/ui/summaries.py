@@ -173,6 +173,8 @@ def _eval_tables(result: EvalResult) -> None:
         console.print(f"teacher-forced on the cache (last assistant turns, {tf['anchors']:,} anchors): "
                       f"avg_streak + 1 = {tf['tau_estimate']:.2f}, decoding replayed on its streaks = "
                       f"{tf['tau_walk']:.2f}, accuracy {tf['accuracy']:.3f}", highlight=False)
+    if result.outputs is not None:
+        console.print(f"outputs: {result.outputs} (a JSON line per prompt)", highlight=False)
 
 
 def show_report(result: dict, json_out: bool) -> None:
