@@ -136,11 +136,11 @@ def train_and_eval(device: torch.device, size: str, work: Path) -> dict:
 def generate(device: torch.device, size: str, work: Path) -> dict:
     """`pipeline generate` in-process on the device: the target regenerating the last turns."""
     data = work / "gen.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(8 if size == "smoke" else 64)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(4 if size == "smoke" else 64)))
     start = time.perf_counter()
     summary = run_generate(data=[str(data)], out=work / "generated.jsonl", turns="last",
-                           max_new_tokens=32 if size == "smoke" else 256, temperature=1.0, top_p=0.95,
-                           batch_size=8 if size == "smoke" else 64)
+                           max_new_tokens=16 if size == "smoke" else 256, temperature=1.0, top_p=0.95,
+                           batch_size=4 if size == "smoke" else 64)
     tokenizer = load_tokenizer(embedded.TARGET_DIR)
     rows = [json.loads(line) for line in (work / "generated.jsonl").read_text().splitlines()]
     return {"rows": summary["num_rows"], "wall_s": round(time.perf_counter() - start, 1),

@@ -84,10 +84,14 @@ def _figures(syncs, results) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--max-new", type=int, default=32)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts decoded per variant (default 4)")
+    parser.add_argument("--max-new", type=int, default=32, help="new tokens per prompt at most (default 32)")
+    parser.add_argument("--out", type=Path, help="also write the figures here as JSON (its folder must exist)")
     args = parser.parse_args()
+    if args.prompts < 1 or args.max_new < 1:
+        parser.error(f"--prompts and --max-new must be at least 1, got {args.prompts} and {args.max_new}")
+    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+        parser.error(f"--out must be a file in an existing folder, got {args.out}")
     rows = [json.loads(line) for line in Path(embedded.TRAIN_DATA).read_text().splitlines()[:48]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

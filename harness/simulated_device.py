@@ -144,6 +144,8 @@ def _run(func, args, kwargs):
         if isinstance(x, SimTensor):
             simulated.append(x)
             return x._data
+        if isinstance(x, torch.Tensor) and x.device.type == DEVICE.type:
+            _refuse_leak(func, x)                         # made in C++ past both modes: it has no values
         if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
             host.append(x)
         return x
@@ -205,10 +207,22 @@ class _Factories(TorchFunctionMode):
             return _wrap(func(*args, **{**kwargs, "device": torch.device("cpu")}))
         if func is torch.Tensor.new_tensor and isinstance(args[0], SimTensor):
             return _wrap(args[0]._data.new_tensor(*args[1:], **kwargs))
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and isinstance(args[0], SimTensor):
+            # A list index becomes a tensor in C++ on the indexed tensor's device, past the modes
+            # (a data-less meta tensor here): made a host tensor first, which CUDA takes too.
+            args = (args[0], _lists_as_tensors(args[1]), *args[2:])
         out = func(*args, **kwargs)
         if type(out) is torch.Tensor and out.device.type == DEVICE.type:
             _refuse_leak(func, out)
         return out
+
+
+def _lists_as_tensors(index):
+    if isinstance(index, list) and all(isinstance(i, (int, bool)) for i in index):
+        return torch.tensor(index)
+    if isinstance(index, tuple):
+        return tuple(_lists_as_tensors(i) for i in index)
+    return index
 
 
 def _refuse_leak(func, out) -> None:

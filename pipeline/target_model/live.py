@@ -132,10 +132,10 @@ class LiveTarget:
             for i in range(1, n):
                 ancestry[b, i] |= ancestry[b, p[i]]
                 depth[b, i] = depth[b, p[i]] + 1
-        # The tree's shape comes from the host, the committed slots' mask stays on the device: joined there.
-        committed = rows.valid if rows.valid is not None else \
-            torch.ones(count, rows.starts[0], dtype=torch.bool, device=self.device)
-        visible = torch.cat([committed[:, None, :].expand(-1, n, -1), ancestry.to(self.device)], dim=2)[:, None]
+        # Which slots are real is host bookkeeping (`Rows.valid`), as the trees' shapes are: the
+        # mask is built on the host and uploaded, nothing is read back.
+        committed = rows.valid if rows.valid is not None else torch.ones(count, rows.starts[0], dtype=torch.bool)
+        visible = torch.cat([committed[:, None, :].expand(-1, n, -1), ancestry], dim=2)[:, None].to(self.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
         internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths
@@ -211,7 +211,8 @@ class Verified:
 class Rows:
     """Several sequences continuing in one batched cache. Their lengths differ, so the attention
     layers' key/value slots of row b are real where valid[b] (None: all real); `starts[b]` is row
-    b's next position."""
+    b's next position. `valid` lives on the host (it follows from lengths and paths the host
+    knows): reading it costs no device sync; passes upload it as their mask."""
     state: object
     valid: torch.Tensor | None
     starts: list[int]

@@ -190,13 +190,10 @@ def keep_path(state, length: int, paths: list[list[int]], inputs: list[TreeStepI
                                   for p in paths], device=layer.keys.device)
             expand = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(-2, expand), layer.values.gather(-2, expand)
-            if new_valid is None:
-                kept = torch.tensor([[True] * len(p) + [False] * (longest - len(p)) for p in paths], device=index.device)
-                old = valid if valid is not None else torch.ones(rows, before, dtype=torch.bool, device=index.device)
-                new_valid = torch.cat([old.to(index.device), kept], dim=1)
-    # Every slot is real only where every committed one was (`valid` is None: a non-None valid
-    # always holds a padded slot) and every path is as long as the longest: known on the host,
-    # no read of the mask back from the device.
-    if valid is None and all(len(p) == longest for p in paths):
+            if new_valid is None:   # on the host, as `Rows.valid` always is
+                kept = torch.tensor([[True] * len(p) + [False] * (longest - len(p)) for p in paths])
+                old = valid.cpu() if valid is not None else torch.ones(rows, before, dtype=torch.bool)
+                new_valid = torch.cat([old, kept], dim=1)
+    if new_valid is not None and bool(new_valid.all()):   # a host tensor: no device sync
         return None
     return new_valid

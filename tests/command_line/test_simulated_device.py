@@ -22,6 +22,13 @@ def test_mixing_with_a_host_tensor_raises_and_scalars_do_not():
         assert (x + torch.tensor(1.0)).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]   # a 0-dim host tensor is a scalar
         assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
         assert x[torch.tensor([1, 3])].tolist() == [1.0, 3.0]    # host indices are copied over, as CUDA does
+        grid = torch.arange(24.0).reshape(2, 6, 2)
+        on = grid.to(sim.device)
+        assert on[[0, 1]].tolist() == grid[[0, 1]].tolist()      # a Python list as an index
+        assert on[1, [0, 2, 5]].tolist() == grid[1, [0, 2, 5]].tolist()
+        on[0, [1, 3]] = 7.0
+        grid[0, [1, 3]] = 7.0
+        assert on.tolist() == grid.tolist()
 
 
 def test_transfers_and_factories_land_where_they_are_asked_to():
