@@ -29,10 +29,10 @@ from stages.generate import run_generate
 from stages.train import resolve_config, run_train
 
 # Sizes: (smoke on a CPU, a GPU node).
-ROWS = {"smoke": 24, "gpu": 400}            # training conversations extracted, then trained on
-TRAIN = {"smoke": {"max_steps": 10, "batch_sequences": 2, "num_anchors": 32},   # the code path, not a drafter
+ROWS = {"smoke": 12, "gpu": 400}            # training conversations extracted, then trained on
+TRAIN = {"smoke": {"max_steps": 4, "batch_sequences": 2, "num_anchors": 32},   # the code path, not a drafter
          "gpu": {"max_steps": 250}}                 # the tiny preset's drafter (the suite's shared drafter: 250)
-EVAL = {"smoke": dict(limit=2, max_new_tokens=16), "gpu": dict(limit=32, max_new_tokens=96)}
+EVAL = {"smoke": dict(limit=2, max_new_tokens=8), "gpu": dict(limit=32, max_new_tokens=96)}
 FLAGSHIP_LAYERS = 4                         # linear x3 + full: one period of Qwen3.6-27B's layout
 AGREEMENT_TOKENS = {"smoke": 96, "gpu": 2048}
 

@@ -147,7 +147,9 @@ def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, la
     > 0 (give 0/1 weights then: the mask). `term_sums`, when given, receives each term's
     weighted sum and, under PLAIN_CE, the unweighted sum of the hard label's cross-entropy over
     the same slots (no grad)."""
-    rows = weights.reshape(-1) > 0
+    # The supervised slots as indices: one read of the mask's size here, where four boolean-mask
+    # gathers (and their backward) would each read it again.
+    rows = (weights.reshape(-1) > 0).nonzero()[:, 0]
     h = final_hidden.reshape(-1, final_hidden.shape[-1])[rows]
     w = weights.reshape(-1)[rows].float()
     chunk = chunk_rows or chunk_rows_for(lm_head_weight.shape[0])
