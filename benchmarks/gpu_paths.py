@@ -143,6 +143,7 @@ def generate(device: torch.device, size: str, work: Path) -> dict:
                            batch_size=4 if size == "smoke" else 64)
     tokenizer = load_tokenizer(embedded.TARGET_DIR)
     rows = [json.loads(line) for line in (work / "generated.jsonl").read_text().splitlines()]
-    return {"rows": summary["num_rows"], "wall_s": round(time.perf_counter() - start, 1),
+    # A row whose last turn did not end within max_new_tokens is left out of the output (generate's rule).
+    return {"rows": summary["num_rows"], "rows_written": len(rows), "wall_s": round(time.perf_counter() - start, 1),
             "example": json.dumps(rows[0]["messages"][-1])[:160] if rows else None,
             "tokenizer_vocab": len(tokenizer)}
