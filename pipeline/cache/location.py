@@ -176,15 +176,20 @@ class LocalLocation(Location):
             return found
         for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
             for name in dirnames + filenames:
+                if name in filenames and name.startswith(".") and ".tmp-" in name:
+                    continue                  # another writer's temporary: it may be renamed away while we look
                 path = Path(dirpath) / name
                 key = path.relative_to(self.root).as_posix()
-                mode = path.lstat().st_mode
-                if stat.S_ISLNK(mode):
+                try:
+                    info = path.lstat()
+                except FileNotFoundError:     # removed by a concurrent writer since the walk listed it
+                    continue
+                if stat.S_ISLNK(info.st_mode):
                     self.refused[key] = f"{path}: is a symbolic link; a cache holds regular files only"
-                elif name in filenames and not stat.S_ISREG(mode):
+                elif name in filenames and not stat.S_ISREG(info.st_mode):
                     self.refused[key] = f"{path}: is not a regular file"
-                elif name in filenames and not (name.startswith(".") and ".tmp-" in name):
-                    found[key] = path.lstat().st_size
+                elif name in filenames:
+                    found[key] = info.st_size
         return dict(sorted(found.items()))
 
     def refusal(self, prefix: str) -> str | None:
