@@ -197,6 +197,8 @@ class TrainConfig:
     # D-PACE smoothing: s_k = (1 - a) q_k + a, 0 < a <= 1.
     dpace_alpha: float = option(0.5, help="D-PACE smoothing a in (0, 1] (default 0.5).")
     gamma: float | None = None               # None: 7 for B=16, 5 for B=10, 4 for B=8
+    # A draft vocabulary (DESIGN 3.4; pipeline/training/draft_vocab.py): off by default until measured.
+    draft_vocab: int | None = option(None, help="Draft from the K tokens the target predicts most often in the cache (its head: those K rows of the lm_head; reserved and byte tokens always kept); default: the whole vocabulary. README: Draft vocabulary.")
     noise_std: float = option(0.0, help="Gaussian noise on the input context features (0: off).")
     noise_schedule: str = "constant"         # "constant" | "linear" (to 0 at the last step)
     # Optimisation.
@@ -242,6 +244,7 @@ class TrainConfig:
             (self.position_weight in ("decay", "dpace"), f"position_weight must be 'decay' or 'dpace', got {self.position_weight!r}"),
             (0 < self.dpace_alpha <= 1, f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}"),
             (self.gamma is None or self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
+            (self.draft_vocab is None or self.draft_vocab >= 8, f"draft_vocab must be >= 8 (or unset), got {self.draft_vocab}"),
             (self.noise_std >= 0, f"noise_std must be >= 0, got {self.noise_std}"),
             (self.noise_schedule in ("constant", "linear"), f"noise_schedule must be 'constant' or 'linear', got {self.noise_schedule!r}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),

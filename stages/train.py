@@ -39,9 +39,17 @@ from pipeline.records.run import RunRecord, write_run_record
 from pipeline.records.train_log import LOG_FILE, read_train_log, trim_to_step
 from pipeline.records.verdicts import VERDICTS_FILE
 from pipeline.report.live import LiveVerdicts
-from pipeline.target_model import frozen_target_modules, identity_claims, read_target_facts, recorded_in_cache, resolve_target
+from pipeline.target_model import (
+    frozen_target_modules,
+    identity_claims,
+    load_tokenizer,
+    read_target_facts,
+    recorded_in_cache,
+    resolve_target,
+)
 from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.training.checkpoint import cache_identity, resume_position
+from pipeline.training.draft_vocab import choose_draft_vocab
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
 from pipeline.training.objectives import describe_slot_weights
@@ -82,10 +90,10 @@ def check_complete(cfg: TrainConfig, manifest, warn) -> dict:
     return incomplete
 
 
-def new_drafter(cfg: TrainConfig, config, embed, head, device) -> tuple[DFlashDrafter, str]:
+def new_drafter(cfg: TrainConfig, config, embed, head, device, vocab=None) -> tuple[DFlashDrafter, str]:
     """(a freshly initialised drafter on `device`, seeded by cfg.seed; its attention path)."""
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
+    drafter = DFlashDrafter(config, embed=embed, lm_head=head, draft_vocab=vocab).to(device)
     drafter.attention = cfg.attention
     path = attention_path(cfg.attention, device)
     if path == "flex" and device.type != "cuda":
@@ -127,8 +135,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     config = drafter_config(cfg, facts, target_dir, list(manifest.identity.capture.target_layer_ids))
     check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg, device) or torch.float32
+    vocab, vocab_record = None, None
+    if cfg.draft_vocab is not None:  # every rank counts the same labels: the same vocabulary, no collective
+        vocab, vocab_record = choose_draft_vocab(reader, load_tokenizer(target_dir), size=cfg.draft_vocab,
+                                                 vocab_size=facts.vocab_size, mask_id=config.mask_token_id,
+                                                 max_length=cfg.max_length)
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
-    drafter, path = new_drafter(cfg, config, embed, head, device)
+    drafter, path = new_drafter(cfg, config, embed, head, device, vocab)
+    del head  # with a draft vocabulary the drafter keeps only its K rows
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, world)
     plan = make_plan(cfg, sum(manifest.shards[s].samples for s in reader.shards), world)
@@ -150,7 +164,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
             world_size=world, device=str(device), autocast=str(autocast_dtype(cfg, device)),
             frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
             slot_weights=describe_slot_weights(cfg.position_weight, gamma, cfg.dpace_alpha),
-            attention_path=path,
+            attention_path=path, draft_vocab=vocab_record,
             optimizer=describe_optimizer(world),
             plan=asdict(plan), drafter=asdict(config), kernels=list(kernel_paths(manifest)),
             incomplete_cache=incomplete if incomplete["missing"] else None,
@@ -164,7 +178,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
             drafter, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     verdicts = LiveVerdicts(total_steps=plan.total_steps, warmup_steps=plan.warmup_steps, peak_lr=cfg.lr,
-                            vocab_size=config.vocab_size, every=cfg.verdict_every)
+                            vocab_size=config.draft_vocab_size or config.vocab_size, every=cfg.verdict_every)
     trackers = Trackers([])
     log_file = None
     if rank == 0:

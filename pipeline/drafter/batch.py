@@ -4,6 +4,11 @@
 choice is the same whatever the world size or resume point); `pack` lays several sequences side
 by side, padded, so a micro-batch is one forward; the block-sparse mask is built from the
 anchors on the compute device (`block_mask`), never shipped. Padding carries weight 0.
+
+With a draft vocabulary (pipeline/drafter/vocab.py) labels and soft-target ids are the head's draft
+ids; a slot whose label is outside the vocabulary gets weight 0 and is marked `outside` (the
+metrics count it as a miss: pipeline/training/draft_vocab.py says why), and a soft target keeps
+its top-k entries inside the vocabulary, renormalised over them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.cache.schema import HIDDEN
+from pipeline.drafter.vocab import DraftVocab
 from pipeline.drafter.blocks import (
     block_mask,
     block_soft_targets,
@@ -35,6 +41,7 @@ class SequenceBlocks:
     weights: torch.Tensor       # [A, B]
     soft_ids: torch.Tensor | None = None    # [A, B, K]
     soft_probs: torch.Tensor | None = None  # [A, B, K]
+    outside: torch.Tensor | None = None     # [A, B] bool: supervised, but the label is outside the draft vocabulary
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +59,7 @@ class PackedBatch:
     real_blocks: torch.Tensor   # [S*A] bool
     soft_ids: torch.Tensor | None = None
     soft_probs: torch.Tensor | None = None
+    outside: torch.Tensor | None = None     # [S*A, B] bool, with a draft vocabulary
 
     def to(self, device) -> PackedBatch:
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
@@ -68,9 +76,10 @@ def noise_generator(seed: int, step: int, sample_id: int) -> torch.Generator:
 
 def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int, mask_token_id: int, gamma: float,
             generator: torch.Generator, soft: bool = False, noise_std: float = 0.0,
-            noise: torch.Generator | None = None) -> SequenceBlocks | None:
+            noise: torch.Generator | None = None, vocab: DraftVocab | None = None) -> SequenceBlocks | None:
     """Blocks for one sample (None if it has no valid anchor). Noise, when asked, is added to the
-    input context features only (DESIGN 3.6): labels come from the stored target outputs."""
+    input context features only (DESIGN 3.6): labels come from the stored target outputs. `vocab`:
+    labels (and soft-target ids) as its draft ids (module docstring)."""
     n = min(len(sample["input_ids"]), max_length)
     ids = torch.from_numpy(np.asarray(sample["input_ids"][:n], dtype=np.int64))
     mask = torch.from_numpy(np.asarray(sample["loss_mask"][:n], dtype=np.int64))
@@ -90,7 +99,24 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
             torch.from_numpy(np.asarray(sample["target_topk_ids"][:n], dtype=np.int64)),
             torch.from_numpy(np.asarray(sample["target_topk_logits"][:n], dtype=np.float32)),
             torch.from_numpy(np.asarray(sample["target_logsumexp"][:n], dtype=np.float32)), anchors, block_size)
+    if vocab is not None:
+        _to_draft_vocab(out, vocab)
     return out
+
+
+def _to_draft_vocab(blocks: SequenceBlocks, vocab: DraftVocab) -> None:
+    labels, inside = vocab.to_draft(blocks.labels)
+    supervised = blocks.weights > 0
+    blocks.outside = supervised & ~inside
+    blocks.weights = torch.where(inside, blocks.weights, torch.zeros_like(blocks.weights))
+    blocks.labels = torch.where(blocks.weights > 0, labels, torch.zeros_like(labels))
+    if blocks.soft_ids is not None:
+        ids, kept = vocab.to_draft(blocks.soft_ids)
+        probs = blocks.soft_probs * kept
+        renormalised = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+        blocks.soft_ids = ids
+        # A row with nothing dropped keeps its probabilities as they were (bit for bit).
+        blocks.soft_probs = torch.where(kept.all(-1, keepdim=True), blocks.soft_probs, renormalised)
 
 
 def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
@@ -107,6 +133,7 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
     weights = torch.zeros(s, a, block_size)
     real = torch.zeros(s, a, dtype=torch.bool)
     soft = items[0].soft_ids is not None
+    outside = torch.zeros(s, a, block_size, dtype=torch.bool) if items[0].outside is not None else None
     if soft:
         k = items[0].soft_ids.shape[-1]
         soft_ids = torch.zeros(s, a, block_size, k, dtype=torch.long)
@@ -120,10 +147,13 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
         labels[i, :ai], weights[i, :ai], real[i, :ai] = x.labels, x.weights, True
         if soft:
             soft_ids[i, :ai], soft_probs[i, :ai] = x.soft_ids, x.soft_probs
+        if outside is not None:
+            outside[i, :ai] = x.outside
     return PackedBatch(hidden, block_ids, block_pos, anchors, labels.view(s * a, block_size),
                        weights.view(s * a, block_size), real.view(-1),
                        soft_ids.view(s * a, block_size, -1) if soft else None,
-                       soft_probs.view(s * a, block_size, -1) if soft else None)
+                       soft_probs.view(s * a, block_size, -1) if soft else None,
+                       outside.view(s * a, block_size) if outside is not None else None)
 
 
 def forward_logits(drafter, batch: PackedBatch) -> torch.Tensor:
@@ -149,7 +179,7 @@ def loss_sum(logits, batch: PackedBatch, kind: str) -> torch.Tensor:
     return weighted_ce(logits, batch.labels, batch.weights) * total
 
 
-def placeholder(config, n_taps: int, soft_k: int | None = None) -> SequenceBlocks:
+def placeholder(config, n_taps: int, soft_k: int | None = None, vocab: bool = False) -> SequenceBlocks:
     """One all-zero-weight block: a rank whose share of a step has no anchor still runs a forward
     and backward, so data-parallel gradient reduction stays in lockstep."""
     b = config.block_size
@@ -159,4 +189,6 @@ def placeholder(config, n_taps: int, soft_k: int | None = None) -> SequenceBlock
     if soft_k:
         out.soft_ids = torch.zeros(1, b, soft_k, dtype=torch.long)
         out.soft_probs = torch.full((1, b, soft_k), 1.0 / soft_k)
+    if vocab:
+        out.outside = torch.zeros(1, b, dtype=torch.bool)
     return out

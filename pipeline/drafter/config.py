@@ -29,6 +29,7 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     layer_types: list[str] | None = None    # None: every layer "full_attention"
     sliding_window: int | None = None        # W of the "sliding_attention" layers
+    draft_vocab_size: int | None = None      # K of a draft vocabulary (DESIGN 3.4); None: the target's whole vocabulary
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -50,6 +51,8 @@ class DrafterConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (vocab_size), got {self.draft_vocab_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
 

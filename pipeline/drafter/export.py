@@ -7,7 +7,11 @@ the layer kinds as transformers' Qwen3Config reads them (`layer_types`, `sliding
 spellings (`rope_theta`, `rope_parameters`), and the weights' dtype (`torch_dtype`, `dtype`).
 model.safetensors: layers.{i}.self_attn.{q,k,v,o}_proj, layers.{i}.self_attn.{q,k}_norm,
 layers.{i}.mlp.{gate,up,down}_proj, layers.{i}.{input,post_attention}_layernorm, norm, fc,
-hidden_norm. No embedding and no lm_head: those are the target's. Loading reads safetensors and
+hidden_norm. No embedding and no lm_head: those are the target's. With a draft vocabulary (DESIGN
+3.4, 8) the head is the drafter's own: config.json adds `draft_vocab_size` K, model.safetensors
+`lm_head.weight` (the K rows of the target's lm_head), `d2t` [K] int64 offsets (target id = draft
+id + d2t) and `t2d` [V] bool, the names and formats speculators writes and vLLM's DFlash model
+reads (it maps `d2t` to `draft_id_to_target_id` and skips `t2d`). Loading reads safetensors and
 JSON only (nothing is unpickled) and checks every name and shape before use.
 """
 
@@ -22,7 +26,11 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.drafter.config import SLIDING, DrafterConfig
 from pipeline.drafter.model import DFlashDrafter
+from pipeline.drafter.vocab import DraftVocab
 from pipeline.errors import PipelineError
+
+# The tensors a draft vocabulary adds to model.safetensors (outside the module's state_dict).
+HEAD_TENSORS = ("lm_head.weight", "d2t", "t2d")
 
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_dim", "rms_norm_eps", "vocab_size")
@@ -35,6 +43,11 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     c = drafter.config
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    vocab = drafter.draft_vocab
+    if vocab is not None:
+        head = drafter.lm_head_weight.detach()
+        state.update({"lm_head.weight": head.to("cpu", dtype or head.dtype).contiguous(),
+                      "d2t": vocab.d2t().contiguous(), "t2d": vocab.t2d().contiguous()})
     sliding = any(kind == SLIDING for kind in c.layer_types)
     config = {
         "architectures": ["DFlashDraftModel"],
@@ -56,6 +69,8 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
         "num_target_layers": c.num_target_layers,
         "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id},
     }
+    if c.draft_vocab_size is not None:
+        config["draft_vocab_size"] = c.draft_vocab_size
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -79,18 +94,57 @@ def read_config(path: Path) -> DrafterConfig:
                              target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=int(dflash["mask_token_id"]),
                              max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                              layer_types=raw.get("layer_types"),
-                             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None)
+                             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+                             draft_vocab_size=_draft_vocab_size(raw))
     except FileNotFoundError:
         raise PipelineError(f"{path}: no config.json") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise PipelineError(f"{path}/config.json: not a DFlash drafter config ({type(e).__name__}: {e})") from None
 
 
+def _draft_vocab_size(raw: dict) -> int | None:
+    """K of an export's draft vocabulary; None when it has none (vLLM reads a missing one as the
+    whole vocabulary)."""
+    k = raw.get("draft_vocab_size")
+    return None if k is None else int(k)
+
+
+def split_head(state: dict, path: Path, vocab_size: int) -> tuple[dict, DraftVocab | None, torch.Tensor | None]:
+    """(the module's state, the draft vocabulary, the head's rows) of an export's tensors."""
+    head = {k: state.pop(k) for k in HEAD_TENSORS if k in state}
+    if not head:
+        return state, None, None
+    if "d2t" not in head or "lm_head.weight" not in head:
+        raise PipelineError(f"{path}/model.safetensors: a draft vocabulary needs both d2t and lm_head.weight")
+    try:
+        vocab = DraftVocab.from_d2t(head["d2t"], vocab_size)
+    except PipelineError as e:
+        raise PipelineError(f"{path}/model.safetensors: d2t: {e}") from None
+    if "t2d" in head and not torch.equal(head["t2d"].bool(), vocab.t2d()):
+        raise PipelineError(f"{path}/model.safetensors: t2d does not mark the ids d2t maps to")
+    return state, vocab, head["lm_head.weight"]
+
+
 def load_drafter(path: Path, *, embed: torch.nn.Embedding, lm_head: torch.nn.Linear) -> DFlashDrafter:
+    """The export at `path` with the target's frozen `embed` and `lm_head`. A draft vocabulary's
+    head is built from `lm_head`'s rows, as in training; the export's copy of them (what a serving
+    engine loads) must be those rows at the export's precision, or the target is another one."""
     config = read_config(path)
-    drafter = DFlashDrafter(config, embed=embed, lm_head=lm_head)
+    state, vocab, rows = split_head(load_file(str(path / "model.safetensors")), path, config.vocab_size)
+    if vocab is None and config.draft_vocab_size == config.vocab_size:  # another writer's "whole vocabulary"
+        config.draft_vocab_size = None
+    if (vocab is None) != (config.draft_vocab_size is None) or (vocab and vocab.size != config.draft_vocab_size):
+        raise PipelineError(f"{path}: config.json draft_vocab_size {config.draft_vocab_size} does not match "
+                            f"model.safetensors ({'no d2t' if vocab is None else f'{vocab.size} draft ids'})")
+    drafter = DFlashDrafter(config, embed=embed, lm_head=lm_head, draft_vocab=vocab)
+    if rows is not None:
+        if tuple(rows.shape) != tuple(drafter.lm_head_weight.shape):
+            raise PipelineError(f"{path}/model.safetensors: lm_head.weight has shape {tuple(rows.shape)}, "
+                                f"expected {tuple(drafter.lm_head_weight.shape)}")
+        if not torch.equal(rows, drafter.lm_head_weight.detach().to("cpu", rows.dtype)):
+            raise PipelineError(f"{path}/model.safetensors: lm_head.weight is not the target's lm_head rows the "
+                                "d2t names: this drafter was trained against another target")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
-    state = load_file(str(path / "model.safetensors"))
     got = {k: tuple(v.shape) for k, v in state.items()}
     if got != expected:
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))

@@ -31,7 +31,7 @@ def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps:
             rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
                                                or 10000.0),
             max_position_embeddings=cfg.max_position_embeddings or int(text.get("max_position_embeddings", 32768)),
-            layer_types=cfg.layer_types, sliding_window=cfg.sliding_window)
+            layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, draft_vocab_size=cfg.draft_vocab)
     except ValueError as e:
         raise PipelineError(f"drafter config: {e}") from None
 

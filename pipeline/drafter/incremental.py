@@ -68,7 +68,7 @@ class DraftContext:
         ids[0, 0] = anchor
         block_pos = torch.arange(anchor_pos, anchor_pos + c.block_size, device=device)[None]
         states = d.block_states(ids, block_pos, self._visible_keys_values, suffix_attention(block_pos), d.fc.weight.dtype)
-        return d.lm_head(states)[0, 1:].float()
+        return d.target_logits(states)[0, 1:].float()
 
     def _visible_keys_values(self, attn: DraftAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached context keys and values [1, kv, t, D] that layer `attn.layer`'s block can

@@ -35,6 +35,7 @@ from torch import nn
 # Re-exported: benchmarks and tests import the config from this module (the library imports
 # pipeline.drafter.config).
 from pipeline.drafter.config import FULL, SLIDING, DrafterConfig  # noqa: F401
+from pipeline.drafter.vocab import DraftHead, DraftVocab
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -287,10 +288,15 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """Trainable part of the drafter. `embed` and `lm_head` are the target's frozen modules."""
+    """Trainable part of the drafter. `embed` and `lm_head` are the target's frozen modules; with a
+    draft vocabulary (`config.draft_vocab_size`, the ids in `draft_vocab`: pipeline/drafter/vocab.py)
+    the head is a frozen copy of those K rows of `lm_head`, which the caller may then drop."""
 
-    def __init__(self, c: DrafterConfig, *, embed: nn.Embedding, lm_head: nn.Linear):
+    def __init__(self, c: DrafterConfig, *, embed: nn.Embedding, lm_head: nn.Linear, draft_vocab: DraftVocab | None = None):
         super().__init__()
+        if c.draft_vocab_size != (None if draft_vocab is None else draft_vocab.size):
+            raise ValueError(f"draft_vocab_size {c.draft_vocab_size} but "
+                             f"{'no draft vocabulary' if draft_vocab is None else f'{draft_vocab.size} draft ids'} given")
         self.config = c
         n = len(c.target_layer_ids)
         self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
@@ -299,7 +305,8 @@ class DFlashDrafter(nn.Module):
         self.attention = "auto"  # how anchors-based attention runs: ATTENTION_PATHS
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         # Frozen and shared with the target: kept out of this module's parameters and state.
-        self._frozen = {"embed": embed.requires_grad_(False), "lm_head": lm_head.requires_grad_(False)}
+        head = lm_head if draft_vocab is None else DraftHead(lm_head, draft_vocab)
+        self._frozen = {"embed": embed.requires_grad_(False), "lm_head": head.requires_grad_(False)}
         self.reset_parameters()
 
     def _apply(self, fn, recurse=True):
@@ -322,12 +329,21 @@ class DFlashDrafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._frozen["embed"](ids)
 
-    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        return self._frozen["lm_head"](x)
+    def target_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary [..., V] of final states [..., H]; with a draft
+        vocabulary the head's K logits, -inf elsewhere (as vLLM's DFlash model scatters them)."""
+        head = self._frozen["lm_head"]
+        return head(x) if self.draft_vocab is None else head.to_target(head(x))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The head's weight: the target's lm_head, or its K draft-vocabulary rows (training's loss
+        reads it, with labels in the head's ids)."""
         return self._frozen["lm_head"].weight
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        return getattr(self._frozen["lm_head"], "vocab", None)
 
     def block_states(self, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor, context_kv, attend,
                      dtype: torch.dtype) -> torch.Tensor:
@@ -342,7 +358,7 @@ class DFlashDrafter(nn.Module):
     def forward(self, hidden_BTNH: torch.Tensor, block_ids_BQ: torch.Tensor, block_pos_BQ: torch.Tensor,
                 allowed_BQK: torch.Tensor | None = None, *, anchors_BA: torch.Tensor | None = None,
                 logits: bool = True) -> torch.Tensor:
-        """Logits [B, Q, V] for block tokens, given the tapped hidden states [B, T, n, H]; with
+        """Logits [B, Q, V] (the target's vocabulary) for block tokens, given the tapped hidden states [B, T, n, H]; with
         `logits=False` the final normed states [B, Q, H] the lm_head would take (training computes
         its loss from those a chunk at a time: pipeline/training/loss.py). Attention follows the
         dense mask `allowed_BQK`, or, given the anchors of equal-size blocks instead, the same rule
@@ -364,4 +380,4 @@ class DFlashDrafter(nn.Module):
         def context_kv(attn: DraftAttention):  # every layer projects the shared context with its own k/v
             return attn.key_value(context, context_pos)
         x = self.block_states(block_ids_BQ, block_pos_BQ, context_kv, attend, context.dtype)
-        return self._frozen["lm_head"](x) if logits else x
+        return self.target_logits(x) if logits else x

@@ -47,6 +47,9 @@ class LogLine:
     epoch_progress: float | None = None
     steps_per_epoch: int | None = None
     supervised_slots: int | None = None
+    # With a draft vocabulary: the share of supervised slots whose label is outside it (out of the
+    # loss, and a miss in accuracy and the streaks: pipeline/training/draft_vocab.py).
+    outside_vocab: float | None = None
     data_wait_frac: float | None = None
     # Another objective than the first recipe's: each term's share of the loss on its own
     # (written as loss_<term>; empty for the plain ce objective).

@@ -22,7 +22,7 @@ import torch
 from pipeline.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.cache.manifest import Manifest
 from pipeline.config import TrainConfig
-from pipeline.drafter.export import export_drafter, read_config
+from pipeline.drafter.export import export_drafter, read_config, split_head
 from pipeline.training.plan import gathered_state
 from pipeline.training.step import all_sum
 from pipeline.errors import PipelineError
@@ -118,6 +118,10 @@ def load_checkpoint(path: Path, *, drafter, optimizer) -> None:
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
         raise PipelineError(f"{path}/drafter/model.safetensors: unreadable ({e}); delete this checkpoint "
                             "to resume from the one before it") from None
+    weights, vocab, _ = split_head(weights, path / "drafter", drafter.config.vocab_size)
+    if vocab != drafter.draft_vocab:  # part of the run's identity (DESIGN 3.4)
+        raise PipelineError(f"{path}/drafter: the checkpoint's draft vocabulary ({vocab or 'none'}) is not this run's "
+                            f"({drafter.draft_vocab or 'none'}); use the same options and cache, or a new --out")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     if {k: tuple(v.shape) for k, v in weights.items()} != expected:
         raise PipelineError(f"{path}/drafter/model.safetensors: names or shapes differ from this run's drafter")

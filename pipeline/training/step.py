@@ -78,7 +78,7 @@ class StepRunner:
             return sample["sample_id"], prepare(
                 sample, block_size=cfg.block_size, num_anchors=cfg.num_anchors, max_length=cfg.max_length,
                 mask_token_id=config.mask_token_id, gamma=self.block_gamma, soft=self.soft,
-                generator=anchor_generator(cfg.seed, epoch, int(sample["sample_id"])))
+                generator=anchor_generator(cfg.seed, epoch, int(sample["sample_id"])), vocab=self.drafter.draft_vocab)
         return transform
 
     def noise_std(self, step: int) -> float:
@@ -98,7 +98,8 @@ class StepRunner:
 
     def _placeholder(self):
         capture_k = 8 if self.soft else None
-        return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k)
+        return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k,
+                           vocab=self.drafter.draft_vocab is not None)
 
     def take_tokens(self) -> int:
         tokens, self._tokens = self._tokens, 0
@@ -107,8 +108,9 @@ class StepRunner:
     def _loss(self, packed, with_metrics: bool):
         """(sum of loss * w over the micro-batch, a function returning its metric sums)."""
         if self.full_logits:
-            if self.cfg.loss not in ("ce", "kl") or self.dpace_alpha is not None:
-                raise PipelineError("the full-logits reference path computes loss 'ce' or 'kl' with decay only")
+            if self.cfg.loss not in ("ce", "kl") or self.dpace_alpha is not None or self.drafter.draft_vocab is not None:
+                raise PipelineError("the full-logits reference path computes loss 'ce' or 'kl' with decay over the "
+                                    "whole vocabulary only")
             with self._autocast():
                 logits = forward_logits(self.model, packed)
             rows = packed.weights > 0
@@ -124,7 +126,7 @@ class StepRunner:
                                      with_hits=with_metrics, terms=self.terms, dpace_alpha=self.dpace_alpha, term_sums=sums)
         for name, value in sums.items():
             self._term_sums[name] = self._term_sums.get(name, 0) + value.detach().double()
-        return part, lambda: hit_sums(hits, packed.weights, packed.real_blocks)
+        return part, lambda: hit_sums(hits, packed.weights, packed.real_blocks, packed.outside)
 
     def step(self, batch: list, step: int, *, with_metrics: bool) -> dict:
         items = [(sid, seq) for sid, seq in batch if seq is not None]
@@ -133,7 +135,7 @@ class StepRunner:
             for sid, seq in items:
                 seq.hidden = seq.hidden + std * torch.randn(seq.hidden.shape, generator=noise_generator(self.cfg.seed, step, sid))
         if self.plant == "random_labels":
-            _random_labels(items, self.drafter.config.vocab_size, seed=self.cfg.seed, step=step)
+            _random_labels(items, self.drafter.lm_head_weight.shape[0], seed=self.cfg.seed, step=step)
         tokens = sum(seq.num_tokens for _, seq in items)
         local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
         global_w = float(all_sum(local_w.clone(), self.world, self.device))
@@ -171,6 +173,8 @@ class StepRunner:
         if with_metrics:
             if sums is None:
                 sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
+                if self.drafter.draft_vocab is not None:
+                    sums["outside"] = torch.zeros((), dtype=torch.float64)
             # Each term's share of the loss: every term the loss names, zero on a rank without one.
             terms = [self._term_sums.get(name, torch.zeros((), dtype=torch.float64)) for name in (*self.terms, PLAIN_CE)]
             flat = torch.cat([v.reshape(-1).double().to(self.device) for v in sums.values()]
@@ -183,7 +187,9 @@ class StepRunner:
             result["loss"] = float(flat[-1]) / global_w
             result["loss_terms"] = {name: float(flat[i + j]) / global_w for j, name in enumerate(self.terms)}
             # Unweighted: comparable across objectives and slot weightings (README: Metrics).
-            result["ce"] = float(flat[i + len(self.terms)]) / max(float(out["supervised"]), 1.0)
+            # Over the slots in the loss (a label outside a draft vocabulary has no cross-entropy).
+            in_loss = float(out["supervised"]) - float(out.get("outside", 0.0))
+            result["ce"] = float(flat[i + len(self.terms)]) / max(in_loss, 1.0)
             result["metrics"] = finish_metrics(out)
         return result
 

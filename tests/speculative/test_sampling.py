@@ -250,3 +250,56 @@ def test_eval_cli_samples_and_refuses_sampling_options_without_a_temperature(tra
                          (["--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5")):
         refused = cli_here("eval", "--drafter", run, "--limit", "1", *bad)
         assert refused.returncode == 1 and message in refused.stderr, refused.stderr
+
+
+def _vocab_without(excluded: set[int], size: int):
+    from pipeline.drafter.vocab import DraftVocab
+
+    return DraftVocab([i for i in range(size) if i not in excluded], size)
+
+
+def test_greedy_decoding_from_a_draft_vocabulary_is_the_target_greedy(live, drafter, prompts):
+    """A drafter whose vocabulary leaves out every third token the target writes: block and DDTree
+    decoding still emit the target's greedy tokens, its drafts stay inside the vocabulary, and some
+    are accepted (the comparison is not vacuous)."""
+    from harness.draft_vocab import with_draft_vocab
+    from pipeline.speculative.decode import greedy
+
+    chosen = prompts[:3]
+    plain = [greedy(live, p, max_new=24, eos=EOS).tokens for p in chosen]
+    written = sorted({t for tokens in plain for t in tokens})
+    vocab = _vocab_without(set(written[::3]), drafter.config.vocab_size)
+    restricted = with_draft_vocab(drafter, vocab).eval()
+    inside = set(vocab.ids.tolist())
+    accepted = 0
+    for prompt, want in zip(chosen, plain):
+        for decoded in (block_decode(live, restricted, prompt, max_new=24, eos=EOS),
+                        tree_decode(live, restricted, prompt, max_new=24, eos=EOS, budget=16)):
+            assert decoded.tokens == want
+            assert all(t in inside for step in decoded.drafts for t in step)
+            accepted += sum(decoded.accepted)
+    assert accepted > 0
+
+
+def test_speculative_sampling_from_a_draft_vocabulary_is_lossless_in_distribution(live, short_drafter, prompts, report):
+    """The drafter's q is zero outside a vocabulary that leaves out the later tokens of the target's
+    likeliest continuations (the residual max(0, p - q) must supply them): block and DDTree
+    continuations of four tokens against the target's exact distribution."""
+    from harness.draft_vocab import with_draft_vocab
+
+    prompt = prompts[PROMPT_INDEX]
+    sampling = Sampling(**SETTING, seed=7)
+    exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / TREE_SAMPLES)
+    cats4 = categories(exact4, TREE_SAMPLES)
+    likely = sorted(exact4, key=exact4.get, reverse=True)[:3]
+    excluded = {t for continuation in likely for t in continuation[1:]}
+    touched = sum(p for c, p in exact4.items() if set(c[1:]) & excluded)
+    assert touched > 0.3                          # the left-out tokens carry much of the mass
+    drafter = with_draft_vocab(short_drafter, _vocab_without(excluded, short_drafter.config.vocab_size)).eval()
+    figures = report["draft_vocabulary"] = {"setting": "temperature 2, top-p 0.9, block 4", "samples": TREE_SAMPLES,
+                                            "left_out": len(excluded), "mass_touched": touched}
+    for name, budget in (("block", None), ("ddtree", 8)):
+        observed = _samples(live, drafter, prompt, sampling, 4, budget=budget, samples=TREE_SAMPLES)
+        statistic, df, p_value = chi_square(observed, exact4, cats4)
+        figures[name] = {"statistic": statistic, "df": df, "p_value": p_value}
+        assert p_value > ALPHA, (name, p_value)

@@ -1,0 +1,185 @@
+"""A draft vocabulary (issue 58, DESIGN 3.4): the chosen set against a plain count over the cache,
+the tokens a vocabulary always keeps (the embedded tokenizer's reserved tokens; the real Qwen3.6
+tokenizer's byte fallbacks), the loss with K = V equal to today's bit for bit, the loss, its
+gradients and the metrics with K < V against a plain full-vocabulary computation with the
+excluded logits removed, and the export in the format vLLM and speculators read."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.loss_batches import B, V, batch, drafter
+from harness.draft_vocab import with_draft_vocab
+from harness.runs import REPO
+from pipeline.cache.reader import open_cache
+from pipeline.drafter.batch import final_hidden, forward_logits
+from pipeline.drafter.export import export_drafter, load_drafter
+from pipeline.drafter.metrics import finish_metrics, hit_sums
+from pipeline.drafter.vocab import DraftVocab
+from pipeline.errors import PipelineError
+from pipeline.training.draft_vocab import choose, choose_draft_vocab, count_labels, coverage, reserved_ids
+from pipeline.training.loss import supervised_loss
+
+QWEN_TOKENIZER = REPO.parent / "shared" / "fixtures" / "tokenizers" / "qwen3.6"
+
+
+def plain_count(cache, vocab_size: int, max_length: int) -> Counter:
+    """The labels of supervised slots, sample by sample, written from DESIGN 3.3: position t
+    (1 <= t < max_length) with loss_mask[t] = 1 has label target_argmax[t-1]."""
+    reader = open_cache(cache)
+    counts = Counter()
+    for name in reader.shards:
+        shard = reader.shard(name)
+        for sid in shard.sample_ids:
+            argmax, mask = shard.read("target_argmax", int(sid)), shard.read("loss_mask", int(sid))
+            for t in range(1, min(len(mask), max_length)):
+                if mask[t]:
+                    counts[int(argmax[t - 1])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("max_length", [3072, 40])
+def test_the_vocabulary_is_the_most_predicted_labels_of_a_plain_count(twelve_rows_cache, tokenizer, max_length):
+    cache = twelve_rows_cache["cache"]
+    want = plain_count(cache, 512, max_length)
+    reader = open_cache(cache)
+    got = count_labels(reader, 512, max_length)
+    assert {i: int(c) for i, c in enumerate(got) if c} == dict(want)
+
+    mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    vocab, record = choose_draft_vocab(reader, tokenizer, size=40, vocab_size=512, mask_id=mask_id, max_length=max_length)
+    reserved = {i for i in tokenizer.added_tokens_decoder if i != mask_id}
+    assert len(reserved) == 9
+    ranked = [i for i in sorted(range(512), key=lambda i: (-want[i], i)) if i not in reserved]
+    assert set(vocab.ids.tolist()) == reserved | set(ranked[:40 - len(reserved)])
+    assert mask_id not in vocab.ids.tolist()
+    assert record["coverage"] == pytest.approx(sum(want[i] for i in vocab.ids.tolist()) / sum(want.values()), abs=1e-6)
+    assert record["labels_counted"] == sum(want.values()) and record["size"] == 40 and record["reserved"] == 9
+    assert record["sha256"] == vocab.digest()
+
+
+def test_ties_go_to_the_smaller_id_and_kept_tokens_count_first():
+    counts = np.array([5, 0, 7, 5, 5, 1])
+    assert choose(counts, 3, keep=[1]).tolist() == [0, 1, 2]     # 1 kept; then 2 (7), then 0 (5, smallest id of three)
+    assert choose(counts, 4, keep=[]).tolist() == [0, 2, 3, 4]
+    assert coverage(counts, np.array([0, 2])) == pytest.approx(12 / 23)
+    with pytest.raises(PipelineError, match="smaller than the 2 tokens"):
+        choose(counts, 1, keep=[1, 5])
+
+
+@pytest.mark.skipif(not QWEN_TOKENIZER.is_dir(), reason=f"the real Qwen3.6 tokenizer is not at {QWEN_TOKENIZER} "
+                                                         "(the project's shared fixtures folder)")
+def test_byte_fallbacks_and_reserved_tokens_of_the_real_tokenizer_are_kept():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QWEN_TOKENIZER)
+    kept = reserved_ids(tokenizer, mask_id=248070, vocab_size=248320, size=32768)
+    assert len(kept["bytes"]) == 256
+    # Every printable ASCII character and a byte no UTF-8 text starts with encode to a kept token.
+    singles = [tokenizer.encode(chr(c), add_special_tokens=False) for c in range(0x20, 0x7F)]
+    assert all(len(ids) == 1 and ids[0] in kept["bytes"] for ids in singles)
+    assert {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<think>", "</think>",
+                                                          "<tool_call>", "</tool_call>")} <= set(kept["reserved"])
+    assert 248070 not in kept["reserved"]
+    assert reserved_ids(tokenizer, mask_id=248070, vocab_size=248320, size=1024)["bytes"] == []   # K < 2048
+
+
+def _batch(vocab=None, soft=False):
+    return batch(soft, vocab=vocab)
+
+
+def _train_pass(model, packed, soft):
+    final = final_hidden(model, packed)
+    loss, hits = supervised_loss(final, model.lm_head_weight, packed.labels, packed.weights, with_hits=True,
+                                 soft_ids=packed.soft_ids if soft else None, soft_probs=packed.soft_probs if soft else None)
+    loss.backward()
+    return loss, hit_sums(hits, packed.weights, packed.real_blocks, packed.outside), \
+        {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_the_whole_vocabulary_as_a_draft_vocabulary_changes_no_bit(soft):
+    whole = DraftVocab(torch.arange(V), V)
+    loss, sums, grads = _train_pass(drafter(), _batch(soft=soft), soft)
+    loss_v, sums_v, grads_v = _train_pass(with_draft_vocab(drafter(), whole), _batch(whole, soft), soft)
+    assert torch.equal(loss, loss_v)
+    assert all(torch.equal(sums[k], sums_v[k]) for k in sums) and float(sums_v["outside"]) == 0
+    assert all(torch.equal(grads[k], grads_v[k]) for k in grads)
+
+
+def _reference(model, ids: torch.Tensor, soft: bool):
+    """Loss sum, metrics and gradients the plain way: full-vocabulary logits of the dense forward,
+    the columns outside `ids` removed, labels (target ids) outside `ids` out of the loss and
+    missed in the metrics; soft targets kept inside `ids` and renormalised."""
+    packed = _batch(soft=soft)
+    logits = forward_logits(model, packed)[..., ids]                     # [A, B, K]
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    position = {int(t): j for j, t in enumerate(ids)}
+    draft_label = torch.tensor([position.get(int(t), -1) for t in packed.labels.flatten()]).view(packed.labels.shape)
+    supervised = packed.weights > 0
+    inside = supervised & (draft_label >= 0)
+    w = torch.where(inside, packed.weights, torch.zeros_like(packed.weights))
+    if soft:
+        keep = torch.isin(packed.soft_ids, ids)
+        p = packed.soft_probs * keep
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        cols = torch.tensor([[position.get(int(t), 0) for t in row] for row in packed.soft_ids.view(-1, packed.soft_ids.shape[-1])]
+                            ).view(packed.soft_ids.shape)
+        per = (p * (torch.log(p.clamp_min(1e-30)) - logq.gather(-1, cols))).sum(-1)
+    else:
+        per = -logq.gather(-1, draft_label.clamp_min(0)[..., None])[..., 0]
+    loss = (per * w).sum()
+    loss.backward()
+    top1 = ids[logits.argmax(-1)] == packed.labels
+    accuracy = float((top1 & inside).sum()) / float(supervised.sum())
+    return loss, accuracy, float((supervised & ~inside).sum()) / float(supervised.sum()), \
+        {n: q.grad.clone() for n, q in model.named_parameters()}
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_the_loss_with_k_below_v_is_the_full_vocabulary_one_with_the_excluded_logits_removed(soft):
+    ids = torch.from_numpy(np.sort(np.random.default_rng(3).permutation(V - 1)[:120]))
+    want_loss, want_acc, want_outside, want_grads = _reference(drafter(), ids, soft)
+    assert 0.3 < want_outside < 0.8                        # both kinds of slot occur
+    loss, sums, grads = _train_pass(with_draft_vocab(drafter(), DraftVocab(ids, V)), _batch(DraftVocab(ids, V), soft), soft)
+    metrics = finish_metrics(sums)
+    torch.testing.assert_close(loss.double(), want_loss.double(), rtol=1e-5, atol=1e-5)
+    assert metrics["accuracy"] == pytest.approx(want_acc) and metrics["outside_vocab"] == pytest.approx(want_outside)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5)  # sums over ~800 slots
+
+
+def test_the_export_carries_d2t_t2d_and_the_head_rows_as_vllm_reads_them(tmp_path):
+    base = drafter()
+    ids = torch.tensor([0, 3, 4, 17, 90, 200, 299])
+    model = with_draft_vocab(base, DraftVocab(ids, V)).eval()
+    export_drafter(model, tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 7 and config["vocab_size"] == V
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    assert d2t.dtype == torch.int64 and torch.equal(torch.arange(7) + d2t, ids)         # vLLM: targets = base + d2t
+    assert t2d.dtype == torch.bool and t2d.shape == (V,) and torch.equal(t2d.nonzero()[:, 0], ids)
+    assert torch.equal(tensors["lm_head.weight"], base.lm_head_weight[ids])
+
+    loaded = load_drafter(tmp_path / "d", embed=base._frozen["embed"], lm_head=base._frozen["lm_head"]).eval()
+    x = torch.randn(5, 48)
+    logits = loaded.target_logits(x)
+    assert torch.equal(logits[:, ids], x @ base.lm_head_weight[ids].t())
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[ids] = False
+    assert bool(torch.isneginf(logits[:, outside]).all())
+
+    other = torch.nn.Linear(48, V, bias=False)
+    with pytest.raises(PipelineError, match="trained against another target"):
+        load_drafter(tmp_path / "d", embed=base._frozen["embed"], lm_head=other)
+    tensors["d2t"] = tensors["d2t"].flip(0)
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(PipelineError, match="d2t: draft vocabulary: ids must be sorted"):
+        load_drafter(tmp_path / "d", embed=base._frozen["embed"], lm_head=base._frozen["lm_head"])
