@@ -183,3 +183,48 @@ def test_the_export_carries_d2t_t2d_and_the_head_rows_as_vllm_reads_them(tmp_pat
     save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(PipelineError, match="d2t: draft vocabulary: ids must be sorted"):
         load_drafter(tmp_path / "d", embed=base._frozen["embed"], lm_head=base._frozen["lm_head"])
+
+
+def test_train_with_a_draft_vocabulary_records_it_resumes_only_with_it_and_eval_stays_lossless(twelve_rows_cache, tmp_path):
+    """`pipeline train --draft-vocab` end to end: run.json records the vocabulary, the log its
+    outside share, the export its d2t; bad K values are one-line errors; a resume with another K
+    or another vocabulary in the checkpoint is refused; eval of the export is identical to greedy."""
+    import shutil
+
+    from harness.runs import cli_here
+
+    cache, run = str(twelve_rows_cache["cache"]), tmp_path / "run"
+    common = ("train", "--cache", cache, "--batch-sequences", "4", "--log-every", "1", "--checkpoint-every", "1")
+    for k, message in (("4", "draft_vocab must be >= 8"), ("512", "below the target's vocabulary of 512")):
+        bad = cli_here(*common, "--out", str(tmp_path / f"bad{k}"), "--max-steps", "1", "--draft-vocab", k)
+        assert bad.returncode != 0 and message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert not (tmp_path / f"bad{k}" / "drafter").exists()
+
+    done = cli_here(*common, "--out", str(run), "--max-steps", "2", "--draft-vocab", "64")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((run / "run.json").read_text())["draft_vocab"]
+    assert record["size"] == 64 and 0.5 < record["coverage"] <= 1 and record["reserved"] == 9
+    lines = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert all(0 <= line["outside_vocab"] < 1 for line in lines)
+    assert json.loads((run / "drafter" / "config.json").read_text())["draft_vocab_size"] == 64
+    d2t = load_file(str(run / "drafter" / "model.safetensors"))["d2t"]
+    assert (torch.arange(64) + d2t).tolist() == sorted(set((torch.arange(64) + d2t).tolist()))
+
+    other_k = cli_here(*common, "--out", str(run), "--max-steps", "2", "--draft-vocab", "65")
+    assert other_k.returncode != 0 and "draft_vocab: 64 -> 65" in other_k.stderr
+    tampered = tmp_path / "tampered"
+    shutil.copytree(run, tampered)
+    last = sorted((tampered / "checkpoints").iterdir())[-1] / "drafter" / "model.safetensors"
+    tensors = load_file(str(last))
+    ids = torch.arange(64) + tensors["d2t"]
+    ids[-1] = 511 if int(ids[-1]) != 511 else 510
+    ids = ids.sort().values
+    tensors["d2t"], tensors["t2d"] = ids - torch.arange(64), torch.isin(torch.arange(512), ids)
+    save_file(tensors, str(last))
+    refused = cli_here(*common, "--out", str(tampered), "--max-steps", "2", "--draft-vocab", "64")
+    assert refused.returncode != 0 and "draft vocabulary" in refused.stderr and "is not this run's" in refused.stderr
+
+    ev = cli_here("eval", "--drafter", str(run), "--limit", "2", "--max-new-tokens", "12", "--tree-budget", "4", "--json")
+    assert ev.returncode == 0, ev.stderr
+    result = json.loads(ev.stdout)
+    assert result["block"]["identical_to_greedy"] == 2 and result["tree"]["4"]["identical_to_greedy"] == 2
