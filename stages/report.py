@@ -19,7 +19,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.records.eval_result import read_decoded_taus
 from pipeline.report.analysis import analyse, compare_runs
-from pipeline.report.logs import log_path, read_run, run_finished
+from pipeline.report.logs import draft_vocab_of, log_path, read_run, run_finished
 from pipeline.report.plots import plot, plot_kinds
 
 
@@ -36,6 +36,12 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
             r.name = f"{r.name}#{i + 1}"
     size = window_size or min(200, max(5, min(len(r.records) for r in runs) // 8))
     result = {"window": size, "runs": [analyse(r, size=size, every=every, epochs=epochs) for r in runs]}
+    for r, analysed in zip(runs, result["runs"]):
+        vocab = draft_vocab_of(r.path)
+        if vocab:  # what the run drafts from, and the share of its labels outside that (last log line)
+            outside = [x.outside_vocab for x in r.records if isinstance(x.outside_vocab, (int, float))]
+            analysed["draft_vocab"] = {"size": vocab.get("size"), "target_size": vocab.get("target_size"),
+                                       "coverage": vocab.get("coverage"), "outside_vocab_last": outside[-1] if outside else None}
     if reference_tau is not None:
         for r in result["runs"]:
             streak = r["extrapolated"].get("avg_streak")

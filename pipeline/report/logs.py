@@ -78,3 +78,12 @@ def run_finished(log: Path) -> bool:
         return last is not None and last >= total
     except (OSError, PipelineError, KeyError, TypeError, ValueError):
         return False
+
+
+def draft_vocab_of(log: Path) -> dict | None:
+    """The draft vocabulary the run beside `log` trained with (run.json's record), None without one
+    or without a readable run.json."""
+    try:
+        return read_run_record(log_path(log).parent / RUN_FILE).draft_vocab
+    except PipelineError:
+        return None

@@ -253,6 +253,12 @@ def _report_run(run: dict) -> None:
     if run["missing"]:
         console.print("[red]missing keys[/] (entries without them; never counted as zero): "
                       + ", ".join(f"{k} in {n}" for k, n in run["missing"].items()))
+    if run.get("draft_vocab"):
+        dv = run["draft_vocab"]
+        last = dv["outside_vocab_last"]
+        console.print(f"draft vocabulary: {dv['size']:,} of {dv['target_size']:,} tokens, covering {dv['coverage']:.2%} of "
+                      f"the cache's labels" + ("" if last is None else f"; outside it in the last log line: {last:.2%} "
+                                               "of supervised slots (out of the loss, misses in the metrics)"))
     if "reference" in run and run["reference"]["extrapolated_tau"] is not None:
         ref = run["reference"]
         console.print(f"extrapolated tau {ref['extrapolated_tau']:.2f} vs reference {ref['reference_tau']:.2f} "

@@ -187,7 +187,7 @@ def test_the_export_carries_d2t_t2d_and_the_head_rows_as_vllm_reads_them(tmp_pat
 
 def test_train_with_a_draft_vocabulary_records_it_resumes_only_with_it_and_eval_stays_lossless(twelve_rows_cache, tmp_path):
     """`pipeline train --draft-vocab` end to end: run.json records the vocabulary, the log its
-    outside share, the export its d2t; bad K values are one-line errors; a resume with another K
+    outside share, the export its d2t, the report both; bad K values are one-line errors; a resume with another K
     or another vocabulary in the checkpoint is refused; eval of the export is identical to greedy."""
     import shutil
 
@@ -209,6 +209,11 @@ def test_train_with_a_draft_vocabulary_records_it_resumes_only_with_it_and_eval_
     assert json.loads((run / "drafter" / "config.json").read_text())["draft_vocab_size"] == 64
     d2t = load_file(str(run / "drafter" / "model.safetensors"))["d2t"]
     assert (torch.arange(64) + d2t).tolist() == sorted(set((torch.arange(64) + d2t).tolist()))
+
+    report = cli_here("report", str(run), "--json")
+    assert report.returncode == 0, report.stderr
+    shown = json.loads(report.stdout)["runs"][0]["draft_vocab"]
+    assert shown == {"size": 64, "target_size": 512, "coverage": record["coverage"], "outside_vocab_last": lines[-1]["outside_vocab"]}
 
     other_k = cli_here(*common, "--out", str(run), "--max-steps", "2", "--draft-vocab", "65")
     assert other_k.returncode != 0 and "draft_vocab: 64 -> 65" in other_k.stderr
