@@ -294,13 +294,20 @@ def demo(
 @_user_errors()
 def cache_info(
     cache: Annotated[str, typer.Argument(help="Cache: a directory, file://PATH or s3://BUCKET/PREFIX.")],
+    draft_vocab: Annotated[Optional[str], typer.Option(help="Also read the labels and report the coverage of a draft vocabulary of each K, comma-separated (e.g. 32768,65536), as `pipeline train --draft-vocab K` would choose it.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """What a cache holds, from its records alone (no array is read): identity, completeness,
     kernel provenance per shard, hosts, environments, counts, bytes per token."""
     from stages.cache_info import run_cache_info  # imports zarr; keeps `pipeline --help` fast
 
-    show_cache_info(run_cache_info(cache), json_out)
+    sizes = None
+    if draft_vocab is not None:
+        try:
+            sizes = [int(x) for x in draft_vocab.split(",") if x.strip()]
+        except ValueError:
+            raise PipelineError(f"--draft-vocab: expected sizes like 32768,65536, got {draft_vocab!r}") from None
+    show_cache_info(run_cache_info(cache, sizes), json_out)
 
 
 @app.command("target-info")

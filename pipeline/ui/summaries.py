@@ -384,6 +384,12 @@ def show_cache_info(info: dict, json_out: bool) -> None:
               f"{size['per_token']:,.1f} / {size['raw_per_token']:,.1f} ({size['stored_vs_raw']:.3f})"),
              ("read", f"{read['records']} shard records in {read['seconds']:.2f} s"
               + ("" if read["requests"] is None else f", {read['requests']} requests"))]
+    if info.get("draft_vocab"):
+        dv = info["draft_vocab"]
+        rows.append(("supervised labels (distinct)", f"{dv['labels']:,} ({dv['distinct']:,} of {dv['target_vocab']:,} ids; "
+                                                     f"first {dv['max_length']:,} tokens of each sample)"))
+        rows += [(f"draft vocabulary {r['size']:,}: coverage", f"{r['coverage']:.2%} (reserved {r['reserved']}, byte "
+                                                               f"fallbacks {r['byte_fallbacks']})") for r in dv["rows"]]
     console.print(key_value_table("cache-info", [(k, escape(str(v))) for k, v in rows]))
     identity = info["identity"]
     console.print(key_value_table("identity", [(f"{section}.{k}", escape(str(v))) for section in ("target", "tokenizer", "capture", "data")

@@ -187,7 +187,7 @@ def test_the_export_carries_d2t_t2d_and_the_head_rows_as_vllm_reads_them(tmp_pat
 
 def test_train_with_a_draft_vocabulary_records_it_resumes_only_with_it_and_eval_stays_lossless(twelve_rows_cache, tmp_path):
     """`pipeline train --draft-vocab` end to end: run.json records the vocabulary, the log its
-    outside share, the export its d2t, the report both; bad K values are one-line errors; a resume with another K
+    outside share, the export its d2t, the report both, and cache-info sizes K the same way before training; bad K values are one-line errors; a resume with another K
     or another vocabulary in the checkpoint is refused; eval of the export is identical to greedy."""
     import shutil
 
@@ -210,6 +210,11 @@ def test_train_with_a_draft_vocabulary_records_it_resumes_only_with_it_and_eval_
     d2t = load_file(str(run / "drafter" / "model.safetensors"))["d2t"]
     assert (torch.arange(64) + d2t).tolist() == sorted(set((torch.arange(64) + d2t).tolist()))
 
+    info = cli_here("cache-info", cache, "--draft-vocab", "64,300", "--json")     # sizing K before training
+    assert info.returncode == 0, info.stderr
+    sized = json.loads(info.stdout)["draft_vocab"]
+    assert sized["rows"][0] == {"size": 64, "coverage": record["coverage"], "reserved": 9, "byte_fallbacks": 0}
+    assert sized["rows"][1]["coverage"] == 1.0 and sized["labels"] == record["labels_counted"]
     report = cli_here("report", str(run), "--json")
     assert report.returncode == 0, report.stderr
     shown = json.loads(report.stdout)["runs"][0]["draft_vocab"]
