@@ -136,7 +136,7 @@ class _LinearTargetLoss(torch.autograd.Function):
 def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                     weights: torch.Tensor, *, soft_ids: torch.Tensor | None = None, soft_probs: torch.Tensor | None = None,
                     chunk_rows: int | None = None, with_hits: bool = False, terms: dict[str, float] | None = None,
-                    dpace_alpha: float | None = None, term_sums: dict | None = None):
+                    dpace_alpha: float | None = None, term_sums: dict | None = None, outside: torch.Tensor | None = None):
     """(sum over supervised slots of loss * w, hits [A, B, 3] or None).
 
     final_hidden [A, B, H] (the drafter's normed output), labels/weights [A, B], soft targets
@@ -144,7 +144,8 @@ def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, la
     {"ce": 1}, or {"kl": 1} with soft targets). Equals `weighted_ce(lm_head(final_hidden), ...) *
     sum(w)` (or the KL) and its gradient, without the [A*B, V] logits. With `dpace_alpha`, the
     slot weights are D-PACE's from the drafter's own cross-entropy, on the slots where `weights`
-    > 0 (give 0/1 weights then: the mask). `term_sums`, when given, receives each term's
+    > 0 (give 0/1 weights then: the mask), and a slot `outside` marks (its label outside a draft
+    vocabulary) stops the chain. `term_sums`, when given, receives each term's
     weighted sum and, under PLAIN_CE, the unweighted sum of the hard label's cross-entropy over
     the same slots (no grad)."""
     # The supervised slots as indices: one read of the mask's size here, where four boolean-mask
@@ -155,7 +156,7 @@ def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, la
     chunk = chunk_rows or chunk_rows_for(lm_head_weight.shape[0])
     if terms is None:
         terms = {"ce": 1.0} if soft_ids is None else {"kl": 1.0}
-    weigh = None if dpace_alpha is None else _dpace_weigher(weights, rows, dpace_alpha)
+    weigh = None if dpace_alpha is None else _dpace_weigher(weights, rows, dpace_alpha, outside)
     if soft_ids is None:
         ids = labels.reshape(-1)[rows].long()[:, None]
         probs = torch.ones_like(ids, dtype=torch.float32)
@@ -177,10 +178,10 @@ def supervised_loss(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, la
     return loss, hits
 
 
-def _dpace_weigher(weights: torch.Tensor, rows: torch.Tensor, alpha: float):
+def _dpace_weigher(weights: torch.Tensor, rows: torch.Tensor, alpha: float, outside: torch.Tensor | None):
     """ce of the supervised rows -> their D-PACE weights, computed over the [A, B] blocks."""
     def weigh(ce_rows: torch.Tensor) -> torch.Tensor:
         ce_AB = torch.zeros(weights.shape, dtype=ce_rows.dtype, device=ce_rows.device)
         ce_AB.view(-1)[rows] = ce_rows
-        return dpace_weights(ce_AB, weights > 0, alpha).reshape(-1)[rows]
+        return dpace_weights(ce_AB, weights > 0, alpha, outside).reshape(-1)[rows]
     return weigh

@@ -49,12 +49,17 @@ def needs_distribution(terms: dict[str, float]) -> bool:
 
 
 @torch.no_grad()
-def dpace_weights(ce_AB: torch.Tensor, supervised_AB: torch.Tensor, alpha: float) -> torch.Tensor:
+def dpace_weights(ce_AB: torch.Tensor, supervised_AB: torch.Tensor, alpha: float,
+                  unreachable_AB: torch.Tensor | None = None) -> torch.Tensor:
     """D-PACE slot weights [A, B] from the drafter's per-slot cross-entropy (any value on
-    unsupervised slots) and the supervised slots (bool or 0/1)."""
+    unsupervised slots) and the supervised slots (bool or 0/1). `unreachable_AB`: slots that can
+    never be accepted (a label outside a draft vocabulary): s = 0 there, so the chain stops and
+    nothing after them weighs."""
     m = supervised_AB.to(torch.float64)
     q = torch.exp(-ce_AB.to(torch.float64))
     s = torch.where(m > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
+    if unreachable_AB is not None:
+        s = torch.where(unreachable_AB.bool(), torch.zeros_like(s), s)
     reach = m * torch.cumprod(s, dim=-1)                     # m_j * prod_{i<=j} s_i
     after = reach.flip(-1).cumsum(-1).flip(-1)               # sum over j >= k
     return (m * after).to(ce_AB.dtype)

@@ -123,7 +123,8 @@ class StepRunner:
         soft, sums = self.soft, {}
         part, hits = supervised_loss(final, self.drafter.lm_head_weight, packed.labels, packed.weights,
                                      soft_ids=packed.soft_ids if soft else None, soft_probs=packed.soft_probs if soft else None,
-                                     with_hits=with_metrics, terms=self.terms, dpace_alpha=self.dpace_alpha, term_sums=sums)
+                                     with_hits=with_metrics, terms=self.terms, dpace_alpha=self.dpace_alpha, term_sums=sums,
+                                     outside=packed.outside)
         for name, value in sums.items():
             self._term_sums[name] = self._term_sums.get(name, 0) + value.detach().double()
         return part, lambda: hit_sums(hits, packed.weights, packed.real_blocks, packed.outside)

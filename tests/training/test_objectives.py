@@ -37,6 +37,14 @@ def test_dpace_weights_on_hand_worked_blocks(mask, expected):
     assert got[0].tolist() == pytest.approx(expected, abs=1e-9)
 
 
+def test_dpace_stops_at_a_slot_that_can_never_be_accepted():
+    """Slot 2's label is outside a draft vocabulary (weight 0 in the loss, like a masked slot), but
+    unlike a masked slot nothing after it can be accepted: s = 0 there, products 0.9, 0, 0, 0."""
+    ce = torch.tensor([[-math.log(q) for q in Q]], dtype=torch.float64)
+    got = dpace_weights(ce, torch.tensor([[0, 1, 0, 1, 1]]), 0.5, torch.tensor([[False, False, True, False, False]]))
+    assert got[0].tolist() == pytest.approx([0.0, 0.9, 0.0, 0.0, 0.0], abs=1e-12)
+
+
 def test_dpace_alpha_one_gives_the_count_of_supervised_slots_from_k_on():
     """a = 1: every s is 1 whatever the confidence, so w_k = the supervised slots at or after k."""
     ce = torch.rand(3, 6) * 4
