@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineError
@@ -71,18 +72,22 @@ class DraftVocab:
         return f"DraftVocab({self.size} of {self.target_size})"
 
 
-class DraftHead(nn.Linear):
+class DraftHead(nn.Module):
     """The K rows of the target's lm_head (a frozen copy) and where they go in its vocabulary."""
 
     def __init__(self, lm_head: nn.Linear, vocab: DraftVocab):
+        super().__init__()
         weight = lm_head.weight
         if weight.shape[0] != vocab.target_size:
             raise PipelineError(f"draft vocabulary: chosen for a {vocab.target_size}-token vocabulary, "
                                 f"the target's lm_head has {weight.shape[0]} rows")
-        super().__init__(weight.shape[1], vocab.size, bias=False, device="meta")
         self.weight = nn.Parameter(weight.detach()[vocab.ids.to(weight.device)].clone(), requires_grad=False)
         self.vocab = vocab
         self.register_buffer("target_ids", vocab.ids.to(weight.device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., K]."""
+        return F.linear(x, self.weight)
 
     def to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., K] as target-vocabulary logits [..., V]: -inf outside the vocabulary."""

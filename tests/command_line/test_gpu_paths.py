@@ -15,10 +15,12 @@ import torch
 
 from harness.caches import assert_same_content
 from harness.runs import write_rows
+from harness.draft_vocab import with_draft_vocab
 from harness.simulated_device import SimTensor, simulated_accelerator
 from pipeline.config import ExtractConfig
 from pipeline.data.prompts import read_prompts
 from pipeline.drafter.export import load_drafter
+from pipeline.drafter.vocab import DraftVocab
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import block_decode, greedy, tree_decode
 from pipeline.speculative.sampling import Sampling, draw
@@ -49,9 +51,12 @@ def setting(trained_run, embedded, tokenizer):
     return {"run": trained_run["run"], "prompts": prompts, "eos": end_of_turn_ids(tokenizer), "target_dir": embedded.TARGET_DIR}
 
 
-def _decodings(setting, device, sampling):
+def _decodings(setting, device, sampling, vocab=None):
     embed, head = frozen_target_modules(setting["target_dir"])
-    drafter = load_drafter(setting["run"] / "drafter", embed=embed, lm_head=head).to(device).eval()
+    drafter = load_drafter(setting["run"] / "drafter", embed=embed, lm_head=head)
+    if vocab is not None:  # the trained drafter drafting from a draft vocabulary (scattered into V on the device)
+        drafter = with_draft_vocab(drafter, vocab)
+    drafter = drafter.to(device).eval()
     live = LiveTarget(load_target(setting["target_dir"], dtype=torch.float32).to(device), drafter.config.target_layer_ids)
     one, eos = setting["prompts"][:1], setting["eos"]
     out = {
@@ -67,11 +72,12 @@ def _decodings(setting, device, sampling):
     return {k: [(r.tokens, r.accepted) for r in v] for k, v in out.items()}, plain
 
 
-@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
-def test_decoding_on_the_device_equals_the_host(setting, sampling):
-    host, host_plain = _decodings(setting, torch.device("cpu"), sampling)
+@pytest.mark.parametrize("sampling, vocab", [(None, None), (SAMPLED, None), (SAMPLED, DraftVocab(torch.arange(0, 512, 2), 512))],
+                         ids=["greedy", "sampled", "sampled-draft-vocab"])
+def test_decoding_on_the_device_equals_the_host(setting, sampling, vocab):
+    host, host_plain = _decodings(setting, torch.device("cpu"), sampling, vocab)
     with simulated_accelerator() as sim:
-        device, device_plain = _decodings(setting, sim.device, sampling)
+        device, device_plain = _decodings(setting, sim.device, sampling, vocab)
     assert device == host
     assert device_plain == host_plain
     if sampling is None:   # lossless: every variant's tokens are plain greedy's
@@ -125,7 +131,8 @@ def test_extract_on_the_device_stores_what_the_host_stores_and_verifies(extracte
 
 
 @pytest.mark.parametrize("objective", [{"loss": "ce", "position_weight": "dpace"},
-                                       {"loss": "kl + 0.5*tv + 0.2*nla + 0.1*lk"}], ids=["ce-dpace", "soft-terms"])
+                                       {"loss": "kl + 0.5*tv + 0.2*nla + 0.1*lk"}, {"loss": "kl", "draft_vocab": 48}],
+                         ids=["ce-dpace", "soft-terms", "kl-draft-vocab"])
 def test_training_on_the_device_logs_the_hosts_losses_and_exports_the_same_drafter(extracted, tmp_path, embedded, objective):
     def train(out, device_run):
         settings = {"cache": str(extracted / "host"), "out": str(out), "max_steps": 3, "log_every": 1, "batch_sequences": 2,
