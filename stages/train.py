@@ -213,4 +213,6 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
             "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "wall_s": round(time.perf_counter() - t_start, 2), "resumed": resumed,
             "verdicts": [v.line() for v in result.fired], "report_to": cfg.report_to,
-            "resumed_from_step": start_step if resumed else None}
+            "resumed_from_step": start_step if resumed else None,
+            "draft_vocab": None if vocab_record is None else
+            f"{vocab_record['size']:,} of {vocab_record['target_size']:,} tokens, covering {vocab_record['coverage']:.2%} of the labels"}

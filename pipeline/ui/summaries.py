@@ -75,7 +75,8 @@ def show_train(summary: dict, json_out: bool) -> None:
         return
     last = summary.pop("last") or {}
     rows = [(k, v) for k, v in summary.items()]
-    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "ce", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8") if k in last]
+    rows += [(k, f"{last[k]:.4f}") for k in ("loss", "ce", "accuracy", "top4_acc", "avg_streak", "ddtree_streak8",
+                                               "outside_vocab") if k in last]
     console.print(key_value_table("train", rows))
 
 
