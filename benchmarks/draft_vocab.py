@@ -10,9 +10,9 @@ step: one training micro-step at the flagship width (hidden 5120, 32 q / 8 KV he
 intermediate 17408, 5 taps, a 248,320-token target vocabulary; random weights, fp32 on the CPU;
 one sequence of 3,072 tokens with `--anchors` x block 16 query slots), forward + chunked loss +
 metrics + backward, at each K (K = 248,320: no draft vocabulary), each in a fresh process: its
-time, its peak RSS above the level before it (/proc/self/clear_refs), and the time of the step's
-matrix-multiply floor at that K (benchmarks/peers_impls.py `GemmFloor`, same shapes, threads and
-process). Labels are drawn from the first 32,768 ids, so every vocabulary holds every label and
+time, its peak RSS above the level before it (/proc/self/clear_refs), and, in the next process,
+the time of the step's matrix-multiply floor at that K (benchmarks/peers_impls.py `GemmFloor`,
+same shapes and threads). Labels are drawn from the first 32,768 ids, so every vocabulary holds every label and
 each K runs the head on the same rows (a vocabulary that dropped labels would look faster for it).
 drafting: one drafting step of `--batches` prompts (16 slots each, a cached context of 1,024
 positions): the drafter's layers, the head, the draft logits scattered into the target's
@@ -75,11 +75,10 @@ def flagship_drafter(layers: int, k: int):
 
 
 def one_step(k: int, layers: int, anchors: int) -> dict:
-    """One micro-step in this process (the `--one` child)."""
+    """One micro-step in this process (the `one` child)."""
     import numpy as np
     import torch
 
-    from benchmarks.peers_impls import GemmFloor, Geometry
     from pipeline.drafter.batch import final_hidden, pack, prepare
     from pipeline.drafter.metrics import hit_sums
     from pipeline.training.loss import supervised_loss
@@ -101,30 +100,42 @@ def one_step(k: int, layers: int, anchors: int) -> dict:
     loss.backward()
     hit_sums(hits, packed.weights, packed.real_blocks, packed.outside)
     seconds = time.perf_counter() - start
-    peak = rss_bytes("VmHWM") - before
-    del drafter, final, loss, hits, packed, seq
+    return {"k": k, "layers": layers, "query_slots": anchors * BLOCK, "supervised_rows": int((packed.weights > 0).sum()),
+            "step_s": round(seconds, 2), "step_peak_bytes": rss_bytes("VmHWM") - before, "threads": torch.get_num_threads()}
+
+
+def one_floor(k: int, layers: int, anchors: int) -> dict:
+    """The step's matrix-multiply floor at head size k, in this process (the `floor` child: its
+    [supervised rows, k] logits gradient and the head are 13 GB at the full vocabulary, more than
+    fits beside the step's weights on 24 GB)."""
+    from benchmarks.peers_impls import GemmFloor, Geometry
+
     floor = GemmFloor(Geometry(hidden=HIDDEN, layers=layers, heads=32, kv_heads=8, head_dim=128, intermediate=17408,
                                vocab=k, taps=TAPS, tokens=TOKENS, anchors=anchors))
     start = time.perf_counter()
     floor.step()
-    floor_s = time.perf_counter() - start
-    return {"k": k, "layers": layers, "query_slots": anchors * BLOCK, "step_s": round(seconds, 2),
-            "step_peak_bytes": peak, "floor_s": round(floor_s, 2), "floor_gflop": round(floor.flops / 1e9),
-            "over_floor": round(seconds / floor_s, 3), "threads": torch.get_num_threads()}
+    return {"floor_s": round(time.perf_counter() - start, 2), "floor_gflop": round(floor.flops / 1e9)}
 
 
 def section_step(args) -> dict:
     rows = []
     for k in args.ks:
-        out = subprocess.run([sys.executable, __file__, "one", "--k", str(k), "--layers", str(args.layers),
-                              "--anchors", str(args.anchors)], capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        row = {}
+        for what in ("one", "floor"):
+            out = subprocess.run([sys.executable, __file__, what, "--k", str(k), "--layers", str(args.layers),
+                                  "--anchors", str(args.anchors)], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{what} --k {k}: exit {out.returncode}: {out.stderr.strip()[-500:]}")
+            row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        row["over_floor"] = round(row["step_s"] / row["floor_s"], 3)
+        rows.append(row)
     full = next((r for r in rows if r["k"] == VOCAB), None)
     if full:
         for r in rows:
             r["time_vs_full"] = round(r["step_s"] / full["step_s"], 3)
             r["peak_vs_full"] = round(r["step_peak_bytes"] / full["step_peak_bytes"], 3)
+            r["floor_vs_full"] = round(r["floor_s"] / full["floor_s"], 3)
     return {"section": "step", "rows": rows}
 
 
@@ -242,7 +253,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="section", required=True)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    for name in ("step", "one", "drafting"):
+    for name in ("step", "one", "floor", "drafting"):
         s = sub.add_parser(name)
         s.add_argument("--layers", type=int, default=1)
         s.add_argument("--anchors", type=int, default=512)
@@ -260,8 +271,8 @@ def main() -> None:
     s.add_argument("--k", type=int, default=32_768)
     s.add_argument("--rows", type=int, default=400)
     args = p.parse_args()
-    if args.section == "one":
-        print(json.dumps(one_step(args.k, args.layers, args.anchors)))
+    if args.section in ("one", "floor"):
+        print(json.dumps((one_step if args.section == "one" else one_floor)(args.k, args.layers, args.anchors)))
         return
     result = {"step": section_step, "drafting": section_drafting, "embedded": section_embedded,
               "coverage": section_coverage}[args.section](args)

@@ -27,7 +27,10 @@ Stage two at the flagship shape (issue 17):
    steps (forward with flex attention, the chunked loss, backward, AdamW) on sequences of 3,072
    tokens x 512 anchors x block 16 under bf16 autocast, for micro-batches 1, 2, 4, 8 until one
    does not fit: peak GPU memory and tokens/s of each that fits.
-3. the loss on the final hidden states of (2): ours (`pipeline/training/loss.py`) against Liger
+3. draft vocabulary (issue 58): the step of (2) at micro-batch 1 with the whole vocabulary and
+   with draft vocabularies of 65,536 and 32,768 tokens (labels from the first 32,768 ids, so each
+   runs its head on the same rows): seconds per step, peak memory, ratios to the whole one.
+4. the loss on the final hidden states of (2): ours (`pipeline/training/loss.py`) against Liger
    Kernel's fused linear cross-entropy and cut-cross-entropy where installed (loss, gradient,
    time, peak memory); "not installed" otherwise.
 """
@@ -52,6 +55,8 @@ from pipeline.drafter.blocks import block_mask  # noqa: E402
 from pipeline.machine import describe_machine  # noqa: E402
 from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path  # noqa: E402
+from pipeline.drafter.vocab import DraftVocab  # noqa: E402
+from harness.draft_vocab import with_draft_vocab  # noqa: E402
 
 TAPS = [1, 16, 31, 46, 61]
 FLAGSHIP = dict(hidden=5120, vocab=248_320, layers=5, heads=32, kv=8, head_dim=128, intermediate=17408, window=2048,
@@ -76,16 +81,17 @@ def make_drafter(s: dict, device, seed=0) -> DFlashDrafter:
         return DFlashDrafter(config, embed=embed, lm_head=head)
 
 
-def make_batch(s: dict, sequences: int, seed=0):
+def make_batch(s: dict, sequences: int, seed=0, vocab=None, labels_below: int | None = None):
     rng = np.random.default_rng(seed)
     items = []
     for i in range(sequences):
         n = s["tokens"]
         sample = {"input_ids": rng.integers(0, s["vocab"] - 8, n), "loss_mask": np.ones(n, np.uint8),
-                  "target_argmax": rng.integers(0, s["vocab"] - 8, n),
+                  "target_argmax": rng.integers(0, labels_below or s["vocab"] - 8, n),
                   "hidden": rng.standard_normal((n, len(TAPS), s["hidden"]), dtype=np.float32)}
         items.append(prepare(sample, block_size=s["block"], num_anchors=s["anchors"], max_length=n,
-                             mask_token_id=s["vocab"] - 2, gamma=7.0, generator=torch.Generator().manual_seed(seed + i)))
+                             mask_token_id=s["vocab"] - 2, gamma=7.0, generator=torch.Generator().manual_seed(seed + i),
+                             vocab=vocab))
     return pack(items, s["block"])
 
 
@@ -124,11 +130,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def steps(device, s: dict, micro: int, repeats: int) -> dict:
+def steps(device, s: dict, micro: int, repeats: int, draft_vocab: int | None = None, labels_below: int | None = None) -> dict:
     drafter = make_drafter(s, device)
+    if draft_vocab is not None:  # the first K ids: labels_below <= K keeps every label inside
+        drafter = with_draft_vocab(drafter, DraftVocab(torch.arange(draft_vocab), s["vocab"]))
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    packed = make_batch(s, micro).to(device)
+    packed = make_batch(s, micro, vocab=drafter.draft_vocab, labels_below=labels_below).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     times = []
     if device.type == "cuda":
@@ -168,6 +176,27 @@ def flagship(device, smoke: bool, repeats: int) -> list[dict]:
                 torch.cuda.empty_cache()
         if smoke and micro == 2:
             break
+    return rows
+
+
+def draft_vocab_steps(device, smoke: bool, repeats: int) -> list[dict]:
+    s = SMOKE if smoke else FLAGSHIP
+    sizes = (64, 128) if smoke else (32_768, 65_536)
+    rows = []
+    for k in (None, sizes[1], sizes[0]):
+        try:
+            rows.append({"draft_vocab": k or s["vocab"], **steps(device, s, 1, repeats, k, labels_below=sizes[0])})
+        except torch.OutOfMemoryError as e:
+            rows.append({"draft_vocab": k or s["vocab"], "fits": False, "error": str(e).splitlines()[0][:200]})
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    full = rows[0]
+    for r in rows:
+        if r.get("fits") and full.get("fits"):
+            r["time_vs_full"] = round(r["seconds_per_step"] / full["seconds_per_step"], 3)
+            if "peak_GiB" in r:
+                r["peak_vs_full"] = round(r["peak_GiB"] / full["peak_GiB"], 3)
     return rows
 
 
@@ -249,6 +278,7 @@ def main() -> None:
                     ("kernels", lambda: gpu_paths.kernels(device, size)),
                     ("equality", lambda: equality(device, args.smoke)),
                     ("flagship_steps", lambda: flagship(device, args.smoke, args.repeats)),
+                    ("draft_vocab_steps", lambda: draft_vocab_steps(device, args.smoke, args.repeats)),
                     ("loss_kernels", lambda: fused_losses(device, args.smoke)),
                     ("train_and_eval", lambda: gpu_paths.train_and_eval(device, size, work)),
                     ("generate", lambda: gpu_paths.generate(device, size, work)))

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("extract", "kernels", "equality", "flagship_steps", "loss_kernels", "train_and_eval", "generate")
+SECTIONS = ("extract", "kernels", "equality", "flagship_steps", "draft_vocab_steps", "loss_kernels", "train_and_eval",
+            "generate")
 
 
 def test_smoke_runs_every_section_into_one_summary(tmp_path):
@@ -30,5 +31,7 @@ def test_smoke_runs_every_section_into_one_summary(tmp_path):
     evaluated = summary["train_and_eval"]
     assert evaluated["greedy"]["lossless"] is True and evaluated["sampled"]["block"]["tau"] >= 1
     assert summary["generate"]["rows"] == 4
+    assert [r["draft_vocab"] for r in summary["draft_vocab_steps"]] == [512, 128, 64]
+    assert all(r["fits"] and r["loss"] > 0 for r in summary["draft_vocab_steps"])
     assert summary["packages"]["flash-linear-attention"] == "not installed"   # a CPU machine has no GPU kernels
     assert "peak_rss_GiB_process" in summary["extract"]
