@@ -105,16 +105,32 @@ def one_step(k: int, layers: int, anchors: int) -> dict:
 
 
 def one_floor(k: int, layers: int, anchors: int) -> dict:
-    """The step's matrix-multiply floor at head size k, in this process (the `floor` child: its
-    [supervised rows, k] logits gradient and the head are 13 GB at the full vocabulary, more than
-    fits beside the step's weights on 24 GB)."""
+    """The step's matrix-multiply floor at head size k, in this process (the `floor` child):
+    GemmFloor's multiplies (benchmarks/peers_impls.py) for fc and the layers, and the head's two
+    (forward, input gradient) on the supervised rows a chunk of rows at a time, as the loss runs
+    them: one [rows, k] logits gradient whole is 7.6 GB at the full vocabulary, and its forward
+    product as much again, more than this machine holds beside the head."""
+    import torch
+
     from benchmarks.peers_impls import GemmFloor, Geometry
+    from pipeline.training.loss import chunk_rows_for
 
     floor = GemmFloor(Geometry(hidden=HIDDEN, layers=layers, heads=32, kv_heads=8, head_dim=128, intermediate=17408,
-                               vocab=k, taps=TAPS, tokens=TOKENS, anchors=anchors))
+                               vocab=1, taps=TAPS, tokens=TOKENS, anchors=anchors))
+    floor.products = floor.products[:-2]  # GemmFloor's head pair, at vocabulary 1: replaced below
+    rows, chunk = anchors * (BLOCK - 1), chunk_rows_for(k)
+    gen = torch.Generator().manual_seed(0)
+    head = torch.randn(HIDDEN, k, generator=gen)
+    x = torch.randn(rows, HIDDEN, generator=gen)
+    dlogits = torch.randn(chunk, k, generator=gen)
+    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in floor.products) + 4 * rows * HIDDEN * k
     start = time.perf_counter()
     floor.step()
-    return {"floor_s": round(time.perf_counter() - start, 2), "floor_gflop": round(floor.flops / 1e9)}
+    for a in range(0, rows, chunk):
+        n = min(chunk, rows - a)
+        torch.mm(x[a:a + n], head)
+        torch.mm(dlogits[:n], head.t())
+    return {"floor_s": round(time.perf_counter() - start, 2), "floor_gflop": round(flops / 1e9)}
 
 
 def section_step(args) -> dict:

@@ -128,7 +128,8 @@ def split_head(state: dict, path: Path, vocab_size: int) -> tuple[dict, DraftVoc
 def load_drafter(path: Path, *, embed: torch.nn.Embedding, lm_head: torch.nn.Linear) -> DFlashDrafter:
     """The export at `path` with the target's frozen `embed` and `lm_head`. A draft vocabulary's
     head is built from `lm_head`'s rows, as in training; the export's copy of them (what a serving
-    engine loads) must be those rows at the export's precision, or the target is another one."""
+    engine loads) must be those rows at the coarser of the two precisions, or the target is another
+    one."""
     config = read_config(path)
     state, vocab, rows = split_head(load_file(str(path / "model.safetensors")), path, config.vocab_size)
     if vocab is None and config.draft_vocab_size == config.vocab_size:  # another writer's "whole vocabulary"
@@ -141,7 +142,9 @@ def load_drafter(path: Path, *, embed: torch.nn.Embedding, lm_head: torch.nn.Lin
         if tuple(rows.shape) != tuple(drafter.lm_head_weight.shape):
             raise PipelineError(f"{path}/model.safetensors: lm_head.weight has shape {tuple(rows.shape)}, "
                                 f"expected {tuple(drafter.lm_head_weight.shape)}")
-        if not torch.equal(rows, drafter.lm_head_weight.detach().to("cpu", rows.dtype)):
+        # At the coarser of the two precisions: an fp32 run's export is evaluated in bf16, say.
+        coarse = max(rows.dtype, drafter.lm_head_weight.dtype, key=lambda d: torch.finfo(d).eps)
+        if not torch.equal(rows.to(coarse), drafter.lm_head_weight.detach().to("cpu", coarse)):
             raise PipelineError(f"{path}/model.safetensors: lm_head.weight is not the target's lm_head rows the "
                                 "d2t names: this drafter was trained against another target")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}

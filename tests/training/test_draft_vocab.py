@@ -176,6 +176,9 @@ def test_the_export_carries_d2t_t2d_and_the_head_rows_as_vllm_reads_them(tmp_pat
     outside[ids] = False
     assert bool(torch.isneginf(logits[:, outside]).all())
 
+    in_bf16 = torch.nn.Linear(48, V, bias=False).to(torch.bfloat16)   # an fp32 export evaluated in bf16
+    in_bf16.weight.data.copy_(base.lm_head_weight)
+    assert load_drafter(tmp_path / "d", embed=base._frozen["embed"], lm_head=in_bf16).lm_head_weight.dtype == torch.bfloat16
     other = torch.nn.Linear(48, V, bias=False)
     with pytest.raises(PipelineError, match="trained against another target"):
         load_drafter(tmp_path / "d", embed=base._frozen["embed"], lm_head=other)
