@@ -42,6 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
+
 HIDDEN, VOCAB, TOKENS, BLOCK, TAPS, MASK = 5120, 248_320, 3072, 16, 5, 248_070
 LABELS = 32_768  # labels drawn from these ids: inside every vocabulary measured
 
@@ -268,25 +270,30 @@ def section_coverage(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="section", required=True)
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    parsers = {}
     for name in ("step", "one", "floor", "drafting"):
-        s = sub.add_parser(name)
-        s.add_argument("--layers", type=int, default=1)
-        s.add_argument("--anchors", type=int, default=512)
-        s.add_argument("--ks", type=ints, default=[VOCAB, 65_536, 32_768])
-        s.add_argument("--k", type=int, default=VOCAB)
-        s.add_argument("--batches", type=ints, default=[1, 8])
-        s.add_argument("--repeats", type=int, default=5)
-    s = sub.add_parser("embedded")
-    s.add_argument("--work", required=True)
-    s.add_argument("--ks", type=ints, default=[128, 256])
-    s.add_argument("--steps", type=int, default=250)
-    s.add_argument("--prompts", type=int, default=64)
-    s = sub.add_parser("coverage")
-    s.add_argument("--work", required=True)
-    s.add_argument("--k", type=int, default=32_768)
-    s.add_argument("--rows", type=int, default=400)
+        s = parsers[name] = sub.add_parser(name)
+        s.add_argument("--layers", type=int, default=1, help="Drafter layers (default 1).")
+        s.add_argument("--anchors", type=int, default=512, help="Anchors of the one sequence (x block 16 query slots; default 512).")
+        s.add_argument("--ks", default=f"{VOCAB},65536,32768", help="Head sizes K to measure, comma-separated (the full vocabulary first).")
+        s.add_argument("--k", type=int, default=VOCAB, help="The head size of one child process (`one`, `floor`).")
+        s.add_argument("--batches", default="1,8", help="drafting: prompts per step, comma-separated.")
+        s.add_argument("--repeats", type=int, default=5, help="drafting: timed steps per setting (after one warm).")
+    s = parsers["embedded"] = sub.add_parser("embedded")
+    s.add_argument("--work", required=True, help="Folder for the cache, the runs and the eval results.")
+    s.add_argument("--ks", default="128,256", help="Draft vocabulary sizes, comma-separated (the whole vocabulary is always run).")
+    s.add_argument("--steps", type=int, default=250, help="Training steps of each run.")
+    s.add_argument("--prompts", type=int, default=64, help="Held-out prompts evaluated.")
+    s = parsers["coverage"] = sub.add_parser("coverage")
+    s.add_argument("--work", required=True, help="Folder for the random target and its cache.")
+    s.add_argument("--k", type=int, default=32_768, help="The vocabulary size (default 32,768).")
+    s.add_argument("--rows", type=int, default=400, help="Embedded training conversations extracted.")
     args = p.parse_args()
+    own = parsers[args.section]
+    for name in ("ks", "batches"):
+        if hasattr(args, name):
+            setattr(args, name, positive_ints(own, f"--{name}", getattr(args, name)))
+    at_least_one(own, args, *(n for n in ("layers", "anchors", "k", "repeats", "steps", "prompts", "rows") if hasattr(args, n)))
     if args.section in ("one", "floor"):
         print(json.dumps((one_step if args.section == "one" else one_floor)(args.k, args.layers, args.anchors)))
         return
