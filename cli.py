@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -59,7 +60,11 @@ def _user_errors(exit_code: int = 1):
         def wrapper(*args, **kwargs):
             try:
                 apply_threads(_state["threads"])
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                if "torch.distributed" in sys.modules:  # a torchrun job: leave it as it should (pipeline/distributed.py)
+                    from pipeline.distributed import finish_distributed
+                    finish_distributed()
+                return result
             except PipelineError as e:
                 if _state["debug"]:
                     raise

@@ -122,3 +122,13 @@ def elastic_restart_hazard() -> str | None:
     return (f"torchrun --max-restarts with a shared rendezvous store: set {SHARED_STORE_OPT_OUT}=1 in the "
             "launcher's environment, or a restarted worker can hang connecting to its peers (README, several nodes)")
 
+
+def finish_distributed() -> None:
+    """Destroy the process group after a command that succeeded. A process that exits with gloo's
+    process group alive can die at interpreter teardown ("terminate called without an active
+    exception", SIGABRT: gloo's worker threads outlive the interpreter; pytorch/pytorch#179291 says
+    why), which a torchrun job then reports as a failed rank though all its work was done: seen
+    twice here, once after a two-node training and once after a TP 2 extraction. Only on success:
+    after an error another rank may still be inside a collective, and tearing down could hang."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
