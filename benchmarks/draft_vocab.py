@@ -238,7 +238,7 @@ def section_coverage(args) -> dict:
     from pipeline.embedded import TRAIN_DATA
     from pipeline.target_model import load_tokenizer
     from pipeline.toy.random_target import build_random_target
-    from pipeline.training.draft_vocab import choose, count_labels, coverage, reserved_ids
+    from pipeline.training.draft_vocab import count_labels, coverage, vocab_from_counts
     from stages.extract import run_extract
 
     fixtures = REPO.parent / "shared" / "fixtures"
@@ -257,8 +257,7 @@ def section_coverage(args) -> dict:
     counts_a = count_labels(reader, VOCAB, 3072, chosen_from)
     counts_b = count_labels(reader, VOCAB, 3072, held_out)
     tokenizer = load_tokenizer(target)
-    kept = reserved_ids(tokenizer, mask_id=MASK, vocab_size=VOCAB, size=args.k)
-    ids = choose(counts_a, args.k, kept["reserved"] + kept["bytes"])
+    ids, kept = vocab_from_counts(counts_a, tokenizer, size=args.k, vocab_size=VOCAB, mask_id=MASK)
     return {"section": "coverage", "k": args.k, "rows": args.rows, "chosen_from": chosen_from, "held_out": held_out,
             "labels_chosen_from": int(counts_a.sum()), "labels_held_out": int(counts_b.sum()),
             "distinct_labels_chosen_from": int((counts_a > 0).sum()), "distinct_labels_held_out": int((counts_b > 0).sum()),

@@ -24,9 +24,8 @@ def draft_vocab_coverage(cache: str, sizes: list[int]) -> dict:
     K, chosen and counted as `pipeline train --draft-vocab K` would (at train's default max_length)."""
     from pipeline.cache.reader import open_cache
     from pipeline.config import TrainConfig
-    from pipeline.errors import PipelineError
     from pipeline.target_model import load_tokenizer, read_target_facts, recorded_in_cache, resolve_target
-    from pipeline.training.draft_vocab import choose, count_labels, coverage, reserved_ids
+    from pipeline.training.draft_vocab import check_size, count_labels, coverage, vocab_from_counts
 
     reader = open_cache(cache)
     target = resolve_target(None, recorded_in_cache(reader.manifest))
@@ -34,13 +33,12 @@ def draft_vocab_coverage(cache: str, sizes: list[int]) -> dict:
     tokenizer = load_tokenizer(target)
     mask = _mask_id(cache, target)
     max_length = TrainConfig.max_length
+    for k in sizes:  # before the pass over the cache
+        check_size(k, vocab_size)
     counts = count_labels(reader, vocab_size, max_length)
     rows = []
     for k in sizes:
-        if not 8 <= k < vocab_size:
-            raise PipelineError(f"--draft-vocab {k}: must be at least 8 and below the target's vocabulary of {vocab_size}")
-        kept = reserved_ids(tokenizer, mask_id=mask, vocab_size=vocab_size, size=k)
-        ids = choose(counts, k, kept["reserved"] + kept["bytes"])
+        ids, kept = vocab_from_counts(counts, tokenizer, size=k, vocab_size=vocab_size, mask_id=mask)
         rows.append({"size": k, "coverage": round(coverage(counts, ids), 6), "reserved": len(kept["reserved"]),
                      "byte_fallbacks": len(kept["bytes"])})
     return {"max_length": max_length, "labels": int(counts.sum()), "distinct": int((counts > 0).sum()),

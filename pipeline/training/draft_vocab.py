@@ -94,18 +94,30 @@ def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
     return float(counts[ids].sum()) / total if total else 0.0
 
 
-def choose_draft_vocab(reader, tokenizer, *, size: int, vocab_size: int, mask_id: int, max_length: int,
-                       shards: list[str] | None = None) -> tuple[DraftVocab, dict]:
-    """(the vocabulary, what run.json records of it) for `pipeline train --draft-vocab size`."""
+def check_size(size: int, vocab_size: int) -> None:
     if not 8 <= size < vocab_size:
         # K = V is the whole vocabulary, what no --draft-vocab trains (and vLLM loads no d2t for it).
         raise PipelineError(f"--draft-vocab {size}: must be at least 8 and below the target's vocabulary of {vocab_size} "
                             "(for the whole vocabulary, leave --draft-vocab out)")
+
+
+def vocab_from_counts(counts: np.ndarray, tokenizer, *, size: int, vocab_size: int, mask_id: int
+                      ) -> tuple[np.ndarray, dict[str, list[int]]]:
+    """(the sorted ids of a `size` vocabulary, what it kept whatever the counts) from label counts:
+    the one rule `train --draft-vocab` and `cache-info --draft-vocab` share."""
+    check_size(size, vocab_size)
+    kept = reserved_ids(tokenizer, mask_id=mask_id, vocab_size=vocab_size, size=size)
+    return choose(counts, size, kept["reserved"] + kept["bytes"]), kept
+
+
+def choose_draft_vocab(reader, tokenizer, *, size: int, vocab_size: int, mask_id: int, max_length: int,
+                       shards: list[str] | None = None) -> tuple[DraftVocab, dict]:
+    """(the vocabulary, what run.json records of it) for `pipeline train --draft-vocab size`."""
+    check_size(size, vocab_size)  # before the pass over the cache
     counts = count_labels(reader, vocab_size, max_length, shards)
     if not counts.sum():
         raise PipelineError(f"--draft-vocab: the cache {reader.location.where()} has no supervised label to count")
-    kept = reserved_ids(tokenizer, mask_id=mask_id, vocab_size=vocab_size, size=size)
-    ids = choose(counts, size, kept["reserved"] + kept["bytes"])
+    ids, kept = vocab_from_counts(counts, tokenizer, size=size, vocab_size=vocab_size, mask_id=mask_id)
     vocab = DraftVocab(ids, vocab_size)
     record = {
         "size": size, "target_size": vocab_size, "sha256": vocab.digest(),
