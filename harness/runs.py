@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -55,11 +57,20 @@ def cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 
     from cli import app
 
+    from pipeline import ui
+
     threads = torch.get_num_threads()  # the CLI sets torch's threads for its process
+    # rich reads COLUMNS once, when a console is made: the width a process would start with, set for the
+    # invocation (whichever test first imported pipeline.ui, and under which COLUMNS, does not matter)
+    widths = [(c, c._width) for c in (ui.console, ui.err_console)]
     try:
+        for c, _ in widths:
+            c.width = 200
         result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", **(env or {})})
     finally:
         torch.set_num_threads(threads)
+        for c, width in widths:
+            c._width = width
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(result.exception))
@@ -69,7 +80,7 @@ def cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 def torchrun(nproc: int, *args: str, timeout: int = 600, preexec_fn=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--master-port", str(29500 + os.getpid() % 1000), "-m", "cli", *args],
+                           "--master-port", str(free_port()), "-m", "cli", *args],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
 
 

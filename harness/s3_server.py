@@ -15,6 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
+from harness.ports import free_port
+
 try:
     import boto3
     import moto  # noqa: F401
@@ -23,12 +25,6 @@ except ImportError:  # pragma: no cover - the [test] extra installs them
     boto3 = None
 
 KEY_ID, SECRET = "testing-key-id", "testing-secret-key-never-printed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:

@@ -13,16 +13,32 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
 def _pin_threads() -> None:
-    """Every command a test runs (in this process or in a child) takes torch's default thread count
+    """Every command a test runs (in this process or in a child) takes a fixed thread count
     through OMP_NUM_THREADS instead of `--threads auto`'s reading of the machine's load: that reading
     costs 0.2 s per command and picks fewer threads while another process is busy, so two runs a
-    test compares byte for byte could run with different counts. tests/command_line/test_threads.py
+    test compares byte for byte could run with different counts. The count is the machine's cores
+    shared among pytest-xdist's workers (`pytest -n 2` on 2 cores: one thread each, so two workers
+    never make torch's threads wait on one another), torch's default without xdist. Set before
+    torch is imported, so torch's own default is that count too. tests/command_line/test_threads.py
     tests `auto` itself, without the variable; torchrun launches (harness.runs) set 1 per rank."""
-    if not os.environ.get("OMP_NUM_THREADS"):
+    ours = os.environ.get(_PINNED_HERE) == "1"   # set by this file in pytest's main process, not by the user
+    if os.environ.get("OMP_NUM_THREADS") and not ours:
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        # A worker inherits the main process's count (every core): replaced before torch starts
+        # its threads. Two workers of two threads on two cores run 6x slower, not 2x (measured).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+        if "torch" in sys.modules:  # imported before this file (a plugin): make it follow the variable
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    elif not ours:
         import torch
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+        os.environ[_PINNED_HERE] = "1"
 
 
+_PINNED_HERE = "DFLASH_TESTS_PINNED_THREADS"
 _pin_threads()
 
 
@@ -83,14 +99,18 @@ def trained_run(tmp_path_factory, train_rows):
     conversations in 2 shards (on the thinking, tool-calling kit 150 steps gave a block tau of
     1.7 on 64 held-out prompts, 250 steps 2.6). {"run": the run directory, "cache": its cache,
     "steps": TRAINED_STEPS}. Tests must not write into it."""
+    from harness.built_once import built_once
     from harness.runs import small_cache
     from stages.train import resolve_config, run_train
 
-    root = tmp_path_factory.mktemp("trained")
-    cache = small_cache(root, train_rows[:400], 2)
-    cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(root / "run"), "max_steps": TRAINED_STEPS,
-                                               "log_every": 10})
-    run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+    def build(root):
+        cache = small_cache(root, train_rows[:400], 2)
+        cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(root / "run"),
+                                                   "max_steps": TRAINED_STEPS, "log_every": 10})
+        run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+
+    root = built_once(tmp_path_factory, "trained", build)
+    cache = root / "cache"
     return {"run": root / "run", "cache": cache, "steps": TRAINED_STEPS}
 
 
@@ -99,13 +119,16 @@ def twelve_rows_cache(tmp_path_factory, train_rows):
     """The first 12 training conversations and their cache in 3 shards of small batches (256
     tokens): the reference that the fault and object-store tests compare their caches with.
     {"data": the JSONL, "cache": the cache directory}. Tests must not write into either."""
+    from harness.built_once import built_once
     from harness.runs import write_rows
     from pipeline.config import ExtractConfig
     from stages.extract import run_extract
 
-    root = tmp_path_factory.mktemp("twelve")
-    data = write_rows(root / "convs.jsonl", train_rows[:12])
-    cache = root / "reference" / "cache"
-    run_extract(ExtractConfig(cache=str(cache), data=[str(data)], num_shards=3, batch_tokens=256), None,
-                progress=False)
+    def build(root):
+        data = write_rows(root / "convs.jsonl", train_rows[:12])
+        run_extract(ExtractConfig(cache=str(root / "reference" / "cache"), data=[str(data)], num_shards=3,
+                                  batch_tokens=256), None, progress=False)
+
+    root = built_once(tmp_path_factory, "twelve", build)
+    data, cache = root / "convs.jsonl", root / "reference" / "cache"
     return {"data": data, "cache": cache}

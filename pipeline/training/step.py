@@ -29,6 +29,7 @@ from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
 from pipeline.training.loss import PLAIN_CE, supervised_loss
+from pipeline.training.micro_batches import Sizes, cut, per_query_work
 from pipeline.training.objectives import needs_distribution
 
 
@@ -55,6 +56,10 @@ class StepRunner:
     # The path before issue 17 (full [queries, V] logits, then the loss): the reference that
     # benchmarks/loss_path.py measures the chunked loss against. Training never sets it.
     full_logits = False
+    # Micro-batches in the stream's order, `--micro-batch-sequences` at a time (before issue 59):
+    # the reference that benchmarks/micro_batches.py measures the cut by size against. Training never
+    # sets it.
+    stream_order = False
 
     def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma):
         self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
@@ -70,6 +75,7 @@ class StepRunner:
         self.dpace_alpha = cfg.dpace_alpha if cfg.position_weight == "dpace" else None
         self.block_gamma = math.inf if self.dpace_alpha is not None else gamma
         self._term_sums: dict[str, torch.Tensor] = {}
+        self.per_query = per_query_work(drafter.config, head_rows=drafter.lm_head_weight.shape[0])
 
     def preparer(self, epoch: int):
         cfg, config = self.cfg, self.drafter.config
@@ -100,6 +106,14 @@ class StepRunner:
         capture_k = 8 if self.soft else None
         return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k,
                            vocab=self.drafter.draft_vocab is not None)
+
+    def micro_batches(self, items: list) -> list[list]:
+        """The rank's share cut into micro-batches of like-size sequences (micro_batches.py)."""
+        cap = self.plan.micro
+        if self.stream_order:
+            return [items[i:i + cap] for i in range(0, len(items), cap)]
+        sizes = [Sizes(anchors=seq.labels.shape[0], tokens=seq.num_tokens) for _, seq in items]
+        return [[items[i] for i in run] for run in cut(sizes, cap, per_query=self.per_query)]
 
     def take_tokens(self) -> int:
         tokens, self._tokens = self._tokens, 0
@@ -146,7 +160,7 @@ class StepRunner:
             group["lr"] = self.lr(step)
         self.optimizer.zero_grad(set_to_none=True)
         self._term_sums = {}
-        micro = [items[i:i + self.plan.micro] for i in range(0, len(items), self.plan.micro)] or [[]]
+        micro = self.micro_batches(items) or [[]]
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         sums = None
         for i, chunk in enumerate(micro):

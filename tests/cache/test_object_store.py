@@ -269,7 +269,7 @@ def test_no_credentials_are_named_as_such_by_every_command(s3_server, data, tmp_
     """No AWS_* keys, no profile: the client never reaches the bucket (it asks the instance
     metadata service for a role, here a port nothing listens on, and gets none), and its own error
     reads like a refusal by the store. Every command says instead what is missing and how to give it."""
-    from harness.s3_server import free_port
+    from harness.ports import free_port
 
     bucket = s3_server.new_bucket()
     env = {k: None for k in os.environ if k.startswith("AWS_")}  # None: unset for the call

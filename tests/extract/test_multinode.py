@@ -18,7 +18,7 @@ from harness.caches import manifest_json
 from harness.marks import needs_s3
 from harness.runs import REPO, small_cache, torchrun, write_rows
 from harness.s3_server import MotoServer, download
-from harness.s3_server import free_port
+from harness.ports import free_port
 from pipeline.distributed import SHARED_STORE_OPT_OUT, elastic_restart_hazard
 
 SHARDS = 4

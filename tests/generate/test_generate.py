@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from harness.caches import manifest_json
+from harness.ports import free_port
 from harness.runs import REPO, cli, cli_here, torchrun, write_rows
 
 from pipeline.errors import PipelineError
@@ -189,12 +189,6 @@ def test_a_row_cut_short_is_reported_where_it_breaks(tmp_path, train_rows):
 
 # ----------------------------------------------------------------- a real server: transformers serve
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(port: int, target: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([str(Path(sys.executable).parent / "transformers"), "serve", str(target),
@@ -223,7 +217,7 @@ def serving(embedded):
 
 
 def test_a_real_server_gives_what_the_target_gives_in_process(tmp_path, serving, data, reference):
-    port = _free_port()
+    port = free_port()
     server = _serve(port, serving)
     try:
         out = tmp_path / "served.jsonl"
@@ -253,7 +247,7 @@ def test_a_server_killed_mid_run_is_a_clear_error_and_the_output_resumes(tmp_pat
     from pipeline.generate.parts import Parts
 
     monkeypatch.setattr(server_module, "BACKOFF_S", 0.05)   # the retries still happen, only sooner
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = _serve(port, serving)
     out = tmp_path / "interrupted.jsonl"
@@ -271,7 +265,7 @@ def test_a_server_killed_mid_run_is_a_clear_error_and_the_output_resumes(tmp_pat
         run_generate(data=[str(data)], out=out, server=url, num_shards=3, max_new_tokens=96)
     monkeypatch.setattr(Parts, "write", original_write)
     assert not out.exists() and Parts(out).done(0) is not None and Parts(out).done(1) is None
-    port = _free_port()        # restarted on another port, reached by another name: the same output
+    port = free_port()        # restarted on another port, reached by another name: the same output
     server = _serve(port, serving)
     try:
         summary = run_generate(data=[str(data)], out=out, server=f"http://localhost:{port}", num_shards=3,

@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.ports import free_port
+
 TESTS = Path(__file__).resolve().parent
 
 
 def test_gathered_state_equals_torchs_consolidation(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(29500 + (os.getpid() + 7) % 1000), str(TESTS / "zero_gather_worker.py"),
+                           "--master-port", str(free_port()), str(TESTS / "zero_gather_worker.py"),
                            str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,88 @@
+"""A step's sequences cut into micro-batches of like size (pipeline/training/micro_batches.py):
+the cut is the least padded work over every way to cut the sorted sequences (an oracle that
+enumerates them all), and a step cut by size computes the gradient that the stream's order
+computes (the same sum in another order)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from harness import loss_batches as lb
+from pipeline.config import TrainConfig
+from pipeline.drafter.batch import anchor_generator, prepare
+from pipeline.training.micro_batches import Sizes, cut
+from pipeline.training.plan import Plan
+from pipeline.training.step import StepRunner
+
+
+def oracle_cost(groups: list[list[Sizes]], per_query: int, forward_cost: int) -> int:
+    """The rule, written out: each micro-batch pads every sequence to its most anchors and its
+    longest context, and costs a forward besides."""
+    return sum(len(g) * max(s.anchors for s in g) * (max(s.tokens for s in g) + per_query) + forward_cost for g in groups)
+
+
+def every_cut(sequence: list, cap: int):
+    """Every way to cut `sequence` into consecutive runs of at most `cap`."""
+    n = len(sequence)
+    for mask in itertools.product((False, True), repeat=n - 1):
+        bounds = [0, *(i + 1 for i, c in enumerate(mask) if c), n]
+        runs = [sequence[a:b] for a, b in zip(bounds, bounds[1:])]
+        if all(len(r) <= cap for r in runs):
+            yield runs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_cut_is_the_least_work_of_every_cut_of_the_sorted_sequences(seed):
+    rng = random.Random(seed)
+    n, cap = rng.randint(1, 8), rng.randint(1, 8)
+    sizes = [Sizes(anchors=rng.randint(1, 64), tokens=rng.randint(8, 512)) for _ in range(n)]
+    per_query, forward_cost = rng.choice([0, 50, 550]), rng.choice([0, 5_000, 70_000])
+    runs = cut(sizes, cap, per_query=per_query, forward_cost=forward_cost)
+    assert sorted(i for run in runs for i in run) == list(range(n))           # every sequence once
+    assert all(1 <= len(run) <= cap for run in runs)
+    ranked = sorted(sizes, key=lambda s: (s.anchors, s.tokens), reverse=True)
+    best = min(oracle_cost(c, per_query, forward_cost) for c in every_cut(ranked, cap))
+    assert oracle_cost([[sizes[i] for i in run] for run in runs], per_query, forward_cost) == best
+    if cap >= n:  # one micro-batch of all of them, as the stream's order would run, is one of the cuts
+        assert best <= oracle_cost([sizes], per_query, forward_cost)
+
+
+def test_equal_sizes_stay_together_and_unequal_ones_part():
+    same = [Sizes(10, 100)] * 4
+    assert cut(same, 8, per_query=10, forward_cost=1) == [[0, 1, 2, 3]]
+    apart = [Sizes(1, 10), Sizes(100, 500)]   # padding the short one would cost more than a forward
+    assert cut(apart, 8, per_query=10, forward_cost=1) == [[1], [0]]
+    assert cut(apart, 8, per_query=10, forward_cost=10**9) == [[1, 0]]
+
+
+def test_a_step_cut_by_size_computes_the_stream_orders_gradient():
+    """Sequences of very different lengths in one step of up to 4 a micro-batch: the same loss and
+    the same gradient whether they run in the stream's order or cut by size (which here does cut)."""
+    cfg = TrainConfig(block_size=lb.B, num_anchors=9, batch_sequences=5, micro_batch_sequences=4, lr=1e-3)
+    lengths = (300, 20, 280, 25, 60)
+
+    def run(stream_order: bool):
+        drafter = lb.drafter(seed=0)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=0.0)   # no update: the gradient is what is compared
+        plan = Plan(samples_per_epoch=5, steps_per_epoch=1, total_steps=1, warmup_steps=0, per_rank=5, micro=4)
+        runner = StepRunner(cfg, plan, drafter, optimizer, params, torch.device("cpu"), 0, 1, gamma=4.0)
+        runner.stream_order = stream_order
+        batch = [(s, prepare(lb.sample(n, s), block_size=lb.B, num_anchors=9, max_length=4096, mask_token_id=lb.V - 1,
+                             gamma=4.0, generator=anchor_generator(0, 0, s))) for s, n in enumerate(lengths)]
+        groups = runner.micro_batches([(sid, seq) for sid, seq in batch])
+        result = runner.step(batch, 0, with_metrics=True)
+        return result, [p.grad.clone() for p in params], [[sid for sid, _ in g] for g in groups]
+
+    ordered, ordered_grads, ordered_groups = run(True)
+    by_size, by_size_grads, by_size_groups = run(False)
+    assert ordered_groups == [[0, 1, 2, 3], [4]]
+    assert len(by_size_groups) >= 2 and by_size_groups != ordered_groups
+    assert by_size["loss"] == pytest.approx(ordered["loss"], rel=1e-6)
+    assert by_size["metrics"] == ordered["metrics"]        # hits and counts: exact sums
+    for a, b in zip(by_size_grads, ordered_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
