@@ -41,13 +41,13 @@ def padding(batches, runner) -> dict:
     stream, cut = {"queries": [0, 0], "work": [0, 0]}, {"queries": [0, 0], "work": [0, 0]}
     for batch in batches:
         items = [(sid, seq) for sid, seq in batch if seq is not None]
-        sizes = [Sizes(seq.labels.shape[0], seq.num_tokens) for _, seq in items]
+        sizes = [Sizes.of(seq) for _, seq in items]
         real_q = sum(s.anchors for s in sizes)
         real_w = sum(padded_work([s], runner.per_query) for s in sizes)
         for table, stream_order in ((stream, True), (cut, False)):
             runner.stream_order = stream_order
             for group in runner.micro_batches(items):
-                g = [Sizes(seq.labels.shape[0], seq.num_tokens) for _, seq in group]
+                g = [Sizes.of(seq) for _, seq in group]
                 table["queries"][1] += len(g) * max(s.anchors for s in g)
                 table["work"][1] += padded_work(g, runner.per_query)
             table["queries"][0] += real_q

@@ -4,8 +4,8 @@ A micro-batch is one padded forward (pipeline/drafter/batch.py: `pack`): every s
 padded to its longest context and its most anchors, and padded queries cost as much as real ones.
 Taking the sequences in the stream's order, a short turn next to a long one paid for the long one:
 on the embedded kit's conversations half the queries of an 8-sequence micro-batch were padding, and
-58% of the work (BENCHMARKS "Micro-batches by size"). So the share is sorted by
-size and cut where that saves work, never into more than `cap` sequences a micro-batch (the memory
+57% of the work (BENCHMARKS "The newcomer's hour"). So the share is sorted by size and cut where
+that saves work, never into more than `cap` sequences a micro-batch (the memory
 bound `--micro-batch-sequences` sets).
 
 The gradient does not depend on the cut: the loss of every micro-batch is divided by the global
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 # What one more forward and backward costs beyond its arithmetic, in padded query-context pairs
 # (the unit of `padded_work`): Python, the launches and the allocations of every layer. Chosen by
-# measurement on the CPU for the tiny preset (BENCHMARKS "Micro-batches by size": of 20,000, 70,000
-# and 150,000 the step was fastest at 70,000; a micro-batch per sequence, the other extreme, was
-# 1.6x slower than the stream's order). At the flagship's width a sequence's work is millions of
-# these units, so the cut there follows the padding alone.
+# measurement on the CPU for the tiny preset (BENCHMARKS "The newcomer's hour": steps 1.82x / 1.78x /
+# 1.58x faster than the stream's order at 20,000 / 70,000 / 150,000, a tie between the first two,
+# of which 70,000 makes fewer forwards; a micro-batch per sequence, the other extreme, 1.03x). At
+# the flagship's width a sequence's work is millions of these units, so the cut there follows the
+# padding alone.
 FORWARD_COST = 70_000
 
 
@@ -31,6 +32,11 @@ class Sizes:
     """A sequence's size as `pack` pads it: its anchors (blocks) and its context tokens."""
     anchors: int
     tokens: int
+
+    @classmethod
+    def of(cls, seq) -> "Sizes":
+        """Of a prepared sequence (pipeline/drafter/batch.py: `SequenceBlocks`)."""
+        return cls(anchors=seq.labels.shape[0], tokens=seq.num_tokens)
 
 
 def padded_work(sizes: list[Sizes], per_query: int) -> int:
@@ -71,7 +77,7 @@ def per_query_work(config, *, head_rows: int) -> int:
     """A block query's work besides attention, in query-context pairs of attention: every layer's
     projections and MLP plus the head's row per logit (`head_rows`: the vocabulary or the draft
     vocabulary), over every layer's attention per context key (scores and values: 2 x heads x
-    head_dim multiply-adds). About 550 for the tiny preset, 40,000 for the flagship's drafter:
+    head_dim multiply-adds). About 550 for the tiny preset, 70,000 for the flagship's drafter:
     there the padded queries, not the padded context, decide the cut."""
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d

@@ -112,7 +112,7 @@ class StepRunner:
         cap = self.plan.micro
         if self.stream_order:
             return [items[i:i + cap] for i in range(0, len(items), cap)]
-        sizes = [Sizes(anchors=seq.labels.shape[0], tokens=seq.num_tokens) for _, seq in items]
+        sizes = [Sizes.of(seq) for _, seq in items]
         return [[items[i] for i in run] for run in cut(sizes, cap, per_query=self.per_query)]
 
     def take_tokens(self) -> int:
