@@ -188,7 +188,7 @@ def eval_(
     tree_top_k: Annotated[int, typer.Option(help="Candidates per draft position for DDTree.")] = 8,
     report_to: Annotated[Optional[str], typer.Option(help=f"Also send the figures (taus, tau_walk with --cache) to the training run's trackers, as eval/... at its last step: {', '.join(TRACKERS)}.")] = None,
     tree_verify: Annotated[str, typer.Option(help="How a DDTree is verified: 'auto' (by the target's size; recorded in the result), 'tree' (each node once: ancestor mask, per-node recurrent states; faster where the target's compute dominates) or 'paths' (root-to-leaf paths as batch rows; faster on tiny targets, and for attention implementations that take no mask).")] = "auto",
-    batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them (each still checked against its own greedy run); worth it on a GPU.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together, one target pass per step for all of them, in every variant and in the plain reference (each prompt still checked against its own greedy tokens); worth it on a GPU.")] = 1,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts.")] = None,
     cache: Annotated[Optional[str], typer.Option(help="A cache (directory or s3://BUCKET/PREFIX) of the same conversations: also report the teacher-forced avg_streak + 1 on their last assistant turns.")] = None,
     device: Annotated[str, typer.Option(help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from pipeline.records.eval_result import Variant
-from pipeline.speculative.decode import Decoded, greedy
-from pipeline.speculative.variants import Settings, decode
+from pipeline.speculative.decode import Decoded
+from pipeline.speculative.variants import Settings, decode, reference as plain
 from pipeline.target_model.live import LiveTarget
 
 REFERENCE = "greedy"  # the reference's timing key, whether it is greedy or plain sampling
@@ -19,8 +19,8 @@ def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], variant
                     progress=None, on_batch=None) -> tuple[list[Decoded], dict[Variant, list[Decoded]], dict[str, float]]:
     """(reference, {variant: results per prompt}, seconds per variant name and REFERENCE); the
     reference is plain greedy decoding, or plain sampling with `settings.sampling` (prompt i's
-    random numbers keyed by i, in every variant). With batch_size > 1 the speculative variants
-    decode that many prompts together. After each batch of prompts, once every variant has decoded
+    random numbers keyed by i, in every variant). With batch_size > 1 the reference and the
+    speculative variants decode that many prompts together. After each batch of prompts, once every variant has decoded
     it: `on_batch(first, reference, {variant: results})` with the batch's first prompt number and
     its results (eval judges departures and writes --outputs lines there, outside the timings),
     then `progress(prompts, tokens=, note=)` with the first variant's (block's) tau so far."""
@@ -31,8 +31,7 @@ def decode_variants(live: LiveTarget, drafter, prompts: list[list[int]], variant
         chunk = prompts[first:first + settings.batch_size]
         row_ids = list(range(first, first + len(chunk)))
         t0 = time.perf_counter()
-        reference += [greedy(live, ids, max_new=settings.max_new, eos=settings.eos, sampling=settings.sampling, row=i)
-                      for i, ids in zip(row_ids, chunk)]
+        reference += plain(live, chunk, row_ids, settings)
         seconds[REFERENCE] += time.perf_counter() - t0
         for v in variants:
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.drafter.incremental import DraftContext
 from pipeline.target_model.live import LiveTarget
-from pipeline.speculative.sampling import Sampling
+from pipeline.speculative.sampling import TARGET, Sampling, draw_rows
 from pipeline.speculative.tree import build_tree
 
 
@@ -58,6 +58,41 @@ def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]
         pos += 1
         token = _choose(step.logits[-1], pos, sampling, row)
     return Decoded(out, target_passes=target.passes - start)
+
+
+@torch.no_grad()
+def greedy_rows(target: LiveTarget, prompts: list[list[int]], *, max_new: int, eos: set[int],
+                sampling: Sampling | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
+    """`greedy` for several prompts at once: one target pass per token for all of them, each
+    prompt exactly as alone (`LiveTarget.prefill_rows` / `step_rows`: no padding inside a pass);
+    a prompt that finishes leaves the batch. Sampled, `row_ids[i]` (default i) keys prompt i's
+    random numbers, so it draws the same tokens as `greedy(..., row=row_ids[i])`."""
+    ids = list(row_ids) if row_ids is not None else list(range(len(prompts)))
+    rows, steps = target.prefill_rows(prompts, with_hidden=False)
+    logits = torch.cat([s.logits[-1:] for s in steps])          # [R, V]: each row's next-token logits
+    results = [Decoded([], target_passes=1) for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        positions = [len(prompts[i]) + len(results[i].tokens) for i in active]
+        tokens = _choose_rows(logits, positions, sampling, [ids[i] for i in active])
+        keep = [r for r, (i, token) in enumerate(zip(active, tokens))
+                if not _finish(results[i].tokens, [token], eos, max_new)]
+        if not keep:
+            break
+        if len(keep) < len(active):
+            rows = target.keep_rows(rows, keep)
+            active = [active[r] for r in keep]
+        logits, rows = target.step_rows([tokens[r] for r in keep], rows)
+        for i in active:
+            results[i].target_passes += 1
+    return results
+
+
+def _choose_rows(logits_RV: torch.Tensor, positions: list[int], sampling: Sampling | None, row_ids: list[int]) -> list[int]:
+    """`_choose` for each row of logits, in one read back to the host."""
+    if sampling is None:
+        return logits_RV.argmax(-1).tolist()
+    return draw_rows(sampling.warp(logits_RV), [sampling.u(row, position, TARGET) for row, position in zip(row_ids, positions)])
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.records.eval_result import Variant
 from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import Decoded, block_decode, tree_decode
+from pipeline.speculative.decode import Decoded, block_decode, greedy, greedy_rows, tree_decode
 from pipeline.speculative.sampling import Sampling
 
 
@@ -20,6 +20,15 @@ class Settings:
     batch_size: int = 1
     tree_top_k: int = 8
     tree_verify: str = "tree"
+
+
+def reference(live, prompts: list[list[int]], row_ids: list[int], s: Settings) -> list[Decoded]:
+    """Plain decoding of a batch (greedy, or plain sampling): the lossless reference and the speed
+    baseline. With batch_size > 1 the prompts decode together as the variants' do, so a speedup
+    compares like with like (one prompt a pass against eight would credit batching to drafting)."""
+    if s.batch_size > 1:
+        return greedy_rows(live, prompts, max_new=s.max_new, eos=s.eos, sampling=s.sampling, row_ids=row_ids)
+    return [greedy(live, prompts[0], max_new=s.max_new, eos=s.eos, sampling=s.sampling, row=row_ids[0])]
 
 
 def _block(live, drafter, prompts: list[list[int]], row_ids: list[int], s: Settings, _param) -> list[Decoded]:

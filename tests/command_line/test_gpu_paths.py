@@ -22,7 +22,7 @@ from pipeline.data.prompts import read_prompts
 from pipeline.drafter.export import load_drafter
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import block_decode, greedy, tree_decode
+from pipeline.speculative.decode import block_decode, greedy, greedy_rows, tree_decode
 from pipeline.speculative.sampling import Sampling, draw
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target
 from pipeline.target_model.live import LiveTarget
@@ -67,6 +67,7 @@ def _decodings(setting, device, sampling, vocab=None):
                   for i, p in enumerate(one)],
         "block batch": decode_rows(live, drafter, setting["prompts"], max_new=MAX_NEW, eos=eos, sampling=sampling),
         "tree batch": decode_rows(live, drafter, setting["prompts"], max_new=MAX_NEW, eos=eos, budget=8, sampling=sampling),
+        "plain batch": greedy_rows(live, setting["prompts"], max_new=MAX_NEW, eos=eos, sampling=sampling),
     }
     plain = [greedy(live, p, max_new=MAX_NEW, eos=eos, sampling=sampling, row=i).tokens for i, p in enumerate(setting["prompts"])]
     return {k: [(r.tokens, r.accepted) for r in v] for k, v in out.items()}, plain
@@ -80,6 +81,7 @@ def test_decoding_on_the_device_equals_the_host(setting, sampling, vocab):
         device, device_plain = _decodings(setting, sim.device, sampling, vocab)
     assert device == host
     assert device_plain == host_plain
+    assert [tokens for tokens, _ in host["plain batch"]] == host_plain   # greedy or sampled: a batch decodes as one prompt alone
     if sampling is None:   # lossless: every variant's tokens are plain greedy's
         for name, results in host.items():
             assert [tokens for tokens, _ in results] == host_plain[:len(results)], name

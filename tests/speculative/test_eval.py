@@ -383,6 +383,27 @@ def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, em
             assert many.tokens == tokens
 
 
+def test_plain_decoding_of_a_batch_equals_one_prompt_at_a_time(live, prompts):
+    """`greedy_rows` (eval's reference at --batch-size > 1) against `greedy` prompt by prompt:
+    rows of different lengths, a repeated prompt, prompts finishing apart; greedy and sampled
+    (each prompt's random numbers keyed by its own index, not its place in the batch); one target
+    pass per step for the whole batch."""
+    from pipeline.speculative.decode import greedy_rows
+    from pipeline.speculative.sampling import Sampling
+
+    batch = [p["ids"] for p in prompts[40:45]] + [prompts[40]["ids"]]
+    assert len({len(ids) for ids in batch}) > 3
+    row_ids = [7, 3, 11, 0, 5, 9]
+    for sampling in (None, Sampling(temperature=1.0, top_p=0.9, seed=4)):
+        alone = [greedy(live, ids, max_new=24, eos=EOS, sampling=sampling, row=i) for ids, i in zip(batch, row_ids)]
+        before = live.passes
+        together = greedy_rows(live, batch, max_new=24, eos=EOS, sampling=sampling, row_ids=row_ids)
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+        assert [r.target_passes for r in together] == [r.target_passes for r in alone]
+        assert len({len(r.tokens) for r in alone}) > 1                       # prompts finished apart
+        assert live.passes - before == (len(batch) - 1) + max(r.target_passes - 1 for r in alone)  # prefills (one repeated) + shared steps
+
+
 def test_eval_progress_is_plain_lines_in_a_log(trained, capsys):
     """Not a terminal (a log file, CI): eval's progress is plain lines (prompts done / total,
     prompts/s, tokens/s, the running block tau), not a bar that only renders at the end."""
