@@ -127,9 +127,10 @@ def suffix_attention(block_pos_BQ):
     return attend
 
 
-# Queries per piece of `split_block_attention` (16 anchors of 16): measured fastest on CPU at
-# hidden 1024 / 2,048 tokens x 512 anchors (BENCHMARKS.md, issue 17).
-PIECE_QUERIES = 256
+# Queries per piece of `split_block_attention` (8 anchors of 16, 16 of 8): the fastest or tied
+# on 2 CPU cores at each shape of benchmarks/attention_pieces.py (the demo's drafter at 250 and
+# 2,048 tokens, hidden 1024 at 2,048 tokens x 512 anchors; BENCHMARKS "The newcomer's hour").
+PIECE_QUERIES = 128
 
 
 class _PieceRows(torch.autograd.Function):
