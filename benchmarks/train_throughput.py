@@ -13,7 +13,8 @@ On a cache of the embedded tiny target (extracted here from its training convers
 2. Loader vs trainer: the streaming reader alone (decode + anchor/mask preparation on its thread,
    drained as fast as possible) against what the trainer consumes, and the trainer fed from the
    cache stream against the same batches already in memory (goal: >= 0.95, the loader is never
-   the bottleneck).
+   the bottleneck): read ahead on a thread, read in the training thread (`prefetch` 0, the CPU's
+   default), and in one loader process.
 
 Rounds alternate between the variants so machine drift hits both.
 """
@@ -37,7 +38,7 @@ from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.drafter.blocks import weighted_ce
 from pipeline.drafter.model import DFlashDrafter
-from pipeline.training.stream import SampleStream, StreamState
+from pipeline.training.stream import ACCELERATOR_READ_AHEAD, SampleStream, StreamState
 from pipeline.target_model import read_target_facts, recorded_in_cache, resolve_target
 from stages.extract import run_extract
 from pipeline.drafter.geometry import drafter_config
@@ -73,8 +74,10 @@ def setup(cache: Path):
     return cfg, reader, runner
 
 
-def stream_batches(cfg, reader, runner, steps: int, workers: int = 0):
-    stream = SampleStream(reader, seed=cfg.seed, state=StreamState(), prefetch=cfg.prefetch,
+def stream_batches(cfg, reader, runner, steps: int, workers: int = 0, prefetch: int = ACCELERATOR_READ_AHEAD):
+    """The first `steps` global batches of epoch 0 as the trainer gets them: read on a thread
+    (`prefetch` ahead), in this thread (`prefetch=0`) or in `workers` processes."""
+    stream = SampleStream(reader, seed=cfg.seed, state=StreamState(), prefetch=prefetch,
                           transform=runner.preparer(0), workers=workers)
     items = stream.epoch()
     try:
@@ -146,7 +149,7 @@ def main() -> None:
         cfg, reader, runner = setup(cache_or_extract(args.cache, tmp))
         batches = list(stream_batches(cfg, reader, runner, args.steps))
         rows = {"batched_tok_s": [], "loop_tok_s": [], "loader_tok_s": [], "trainer_mem_tok_s": [],
-                "trainer_stream_thread_tok_s": [], "trainer_stream_process_tok_s": []}
+                "trainer_stream_thread_tok_s": [], "trainer_stream_inline_tok_s": [], "trainer_stream_process_tok_s": []}
         losses = {}
         for _ in range(args.rounds):
             # 1. Batched anchors vs per-anchor loop, same first batches.
@@ -166,8 +169,8 @@ def main() -> None:
             fresh = list(stream_batches(cfg, reader, runner, args.steps))  # untouched copies (noise-free)
             seconds, _ = timed(lambda: [runner.step(b, i, with_metrics=False) for i, b in enumerate(fresh)])
             rows["trainer_mem_tok_s"].append(sum(map(tokens, fresh)) / seconds)
-            for name, workers in (("thread", 0), ("process", 1)):
-                seconds, count = timed(lambda: sum(tokens(b) for b in stream_batches(cfg, reader, runner, args.steps, workers)
+            for name, workers, prefetch in (("thread", 0, ACCELERATOR_READ_AHEAD), ("inline", 0, 0), ("process", 1, ACCELERATOR_READ_AHEAD)):
+                seconds, count = timed(lambda: sum(tokens(b) for b in stream_batches(cfg, reader, runner, args.steps, workers, prefetch)
                                                    if runner.step(b, 0, with_metrics=False)))
                 rows[f"trainer_stream_{name}_tok_s"].append(count / seconds)
         med = {k: statistics.median(v) for k, v in rows.items()}
@@ -180,6 +183,7 @@ def main() -> None:
             "batched_over_loop": round(med["batched_tok_s"] / med["loop_tok_s"], 2),
             "loader_over_trainer": round(med["loader_tok_s"] / med["trainer_mem_tok_s"], 2),
             "stream_thread_over_memory": round(med["trainer_stream_thread_tok_s"] / med["trainer_mem_tok_s"], 3),
+            "stream_inline_over_memory": round(med["trainer_stream_inline_tok_s"] / med["trainer_mem_tok_s"], 3),
             "stream_process_over_memory": round(med["trainer_stream_process_tok_s"] / med["trainer_mem_tok_s"], 3),
             "loss_batched_vs_loop": [[round(a, 5), round(b, 5)] for a, b in zip(losses["batched"], losses["loop"])],
         }

@@ -220,8 +220,8 @@ class TrainConfig:
     checkpoint_every: int = option(500, help="Steps between training checkpoints.")
     keep_checkpoints: int = 2
     mix_shards: int = 16                     # shards whose samples are shuffled together (each global batch mixes them)
-    prefetch: int = 16                       # decoded samples read ahead per rank
-    loader_workers: int = 0                  # loader processes per rank; 0: a thread in the training process (measured faster on CPU, BENCHMARKS.md)
+    prefetch: int | None = None              # decoded samples read ahead per rank on a thread; 0: read in the training thread; None: 16 on an accelerator, 0 on the CPU (pipeline/training/stream.py `read_ahead`)
+    loader_workers: int = 0                  # loader processes per rank; 0: read in the training process (on a thread or not: `prefetch`)
     allow_mixed_provenance: bool = option(False, help="Train on shards computed by different linear-attention kernels (warns).")
     allow_incomplete_cache: bool = option(False, help="Train on a cache whose shards are not all committed (warns; recorded in run.json).")
     # A remote (s3://) cache's files copied to local disk on first read, least recently used
@@ -263,7 +263,7 @@ class TrainConfig:
             (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
             (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
-            (self.prefetch >= 1, f"prefetch must be >= 1, got {self.prefetch}"),
+            (self.prefetch is None or self.prefetch >= 0, f"prefetch must be >= 0, got {self.prefetch}"),
             (self.loader_workers >= 0, f"loader_workers must be >= 0, got {self.loader_workers}"),
             (self.verdict_every >= 1, f"verdict_every must be >= 1, got {self.verdict_every}"),
             (parse_size(self.cache_local_size) is not None,

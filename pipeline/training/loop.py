@@ -20,7 +20,7 @@ from pipeline.training.checkpoint import Position, save_on_all_ranks
 from pipeline.training.objectives import needs_distribution
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
-from pipeline.training.stream import SampleStream, StreamState
+from pipeline.training.stream import SampleStream, StreamState, read_ahead
 from pipeline.training.train_log import Interval, log_record
 
 
@@ -39,7 +39,7 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
     t_start, interval = time.perf_counter(), Interval()
     while at.step < plan.total_steps:
         stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=at.epoch, position=at.position),
-                              rank=trainer.rank, world_size=trainer.world, prefetch=cfg.prefetch,
+                              rank=trainer.rank, world_size=trainer.world, prefetch=read_ahead(cfg.prefetch, trainer.device),
                               fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if needs_distribution(parse_loss(cfg.loss)) else ()),
                               transform=trainer.preparer(at.epoch), workers=cfg.loader_workers,
                               mix_shards=cfg.mix_shards)

@@ -1,16 +1,21 @@
 """Training order: a pure function of (shards, seed, epoch), independent of world size, resumable."""
 
+import threading
+
 import pytest
+import torch
 from harness.runs import write_rows
 
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.training.stream import (
+    ACCELERATOR_READ_AHEAD,
     EpochOrder,
     SampleStream,
     StreamState,
     epoch_order,
     rank_positions,
+    read_ahead,
 )
 from pipeline.errors import PipelineError
 from stages.extract import run_extract
@@ -113,6 +118,27 @@ def test_a_loader_process_error_reaches_the_trainer_as_itself(cache):
     stream = SampleStream(cache, seed=0, state=StreamState(), workers=1, transform=broken)
     with pytest.raises(PipelineError, match="planted failure"):
         list(stream.epoch())
+
+
+def test_reading_in_the_training_thread_keeps_the_exact_order(cache):
+    """`prefetch=0` (the CPU's default): the same (position, sample) sequence as the read-ahead
+    thread, read and transformed in the caller's thread."""
+    state = StreamState(epoch=1, position=2)
+    threaded = [(p, s["sample_id"]) for p, s in SampleStream(cache, seed=5, state=state, rank=0, world_size=2).epoch()]
+    readers = set()
+
+    def note_thread(position, sample):
+        readers.add(threading.get_ident())
+        return sample
+    inline = SampleStream(cache, seed=5, state=state, rank=0, world_size=2, prefetch=0, transform=note_thread)
+    assert [(p, s["sample_id"]) for p, s in inline.epoch()] == threaded
+    assert readers == {threading.get_ident()}
+
+
+def test_read_ahead_is_a_thread_on_an_accelerator_and_none_on_the_cpu():
+    assert read_ahead(None, torch.device("cpu")) == 0
+    assert read_ahead(None, torch.device("cuda", 0)) == ACCELERATOR_READ_AHEAD > 0
+    assert read_ahead(3, torch.device("cpu")) == 3 and read_ahead(0, torch.device("cuda")) == 0
 
 
 def test_stream_can_be_abandoned_midway(cache):
