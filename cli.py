@@ -287,7 +287,7 @@ def demo(
     json_out: JsonOpt = False,
 ) -> None:
     """The whole pipeline on the embedded tiny target: extract, verify, train, speculative-decoding
-    eval, report. About 6.5 minutes on 2 CPU cores; re-running resumes."""
+    eval, report. About 5 minutes on 2 CPU cores; re-running resumes."""
     from stages.demo import run_demo  # heavy: imports torch; keeps `pipeline --help` fast
 
     summary = run_demo(out, quick=quick, progress=not json_out, report_to=report_to, block_size=block_size,
