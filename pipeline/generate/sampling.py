@@ -1,7 +1,7 @@
 """Batched generation with the live target: prompts of any lengths decode together, one target
 pass per token for all of them, each exactly as it would alone (no padding inside a pass: every
 prompt is prefilled on its own, then the rows share a cache whose key/value slots are marked per
-row; `LiveTarget.prefill_rows` / `step_rows`).
+row: pipeline/target_model/plain_rows.py, the loop eval's plain reference shares).
 
 Greedy at temperature 0; otherwise temperature and nucleus (top-p) sampling with one random
 generator per sequence, seeded by the caller, so a sequence's tokens do not depend on which other
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.target_model.live import LiveTarget
+from pipeline.target_model.plain_rows import decode_plainly
 
 
 @dataclass
@@ -42,25 +43,16 @@ def generate(target: LiveTarget, prompts: list[list[int]], *, max_new: int, stop
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError("sampling needs one seed per prompt")
     generators = [torch.Generator().manual_seed(s) for s in seeds] if temperature > 0 else None
-    rows, steps = target.prefill_rows(prompts, with_hidden=False)
-    logits = torch.stack([s.logits[-1] for s in steps])
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    active = list(range(len(prompts)))
-    while active:
-        chosen = choose(logits, temperature, top_p, [generators[i] for i in active] if generators else None)
-        keep = []
-        for r, (i, token) in enumerate(zip(active, chosen)):
-            if token in stop:
-                finished[i] = True
-                continue
-            out[i].append(token)
-            if len(out[i]) < max_new:
-                keep.append(r)
-        if not keep:
-            break
-        if len(keep) < len(active):
-            rows = target.keep_rows(rows, keep)
-            active = [active[r] for r in keep]
-        logits, rows = target.step_rows([chosen[r] for r in keep], rows)
+
+    def take(i: int, token: int) -> bool:
+        if token in stop:
+            finished[i] = True
+            return False
+        out[i].append(token)
+        return len(out[i]) < max_new
+
+    decode_plainly(target, prompts, lambda logits, active: choose(logits, temperature, top_p,
+                                                                  [generators[i] for i in active] if generators else None), take)
     return [Generated(tokens, done) for tokens, done in zip(out, finished)]

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.drafter.incremental import DraftContext
 from pipeline.target_model.live import LiveTarget
+from pipeline.target_model.plain_rows import decode_plainly
 from pipeline.speculative.sampling import TARGET, Sampling, draw_rows
 from pipeline.speculative.tree import build_tree
 
@@ -64,27 +65,19 @@ def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]
 def greedy_rows(target: LiveTarget, prompts: list[list[int]], *, max_new: int, eos: set[int],
                 sampling: Sampling | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
     """`greedy` for several prompts at once: one target pass per token for all of them, each
-    prompt exactly as alone (`LiveTarget.prefill_rows` / `step_rows`: no padding inside a pass);
-    a prompt that finishes leaves the batch. Sampled, `row_ids[i]` (default i) keys prompt i's
-    random numbers, so it draws the same tokens as `greedy(..., row=row_ids[i])`."""
+    prompt exactly as alone (pipeline/target_model/plain_rows.py); a prompt that finishes leaves
+    the batch. Sampled, `row_ids[i]` (default i) keys prompt i's random numbers, so it draws the
+    same tokens as `greedy(..., row=row_ids[i])`."""
     ids = list(row_ids) if row_ids is not None else list(range(len(prompts)))
-    rows, steps = target.prefill_rows(prompts, with_hidden=False)
-    logits = torch.cat([s.logits[-1:] for s in steps])          # [R, V]: each row's next-token logits
-    results = [Decoded([], target_passes=1) for _ in prompts]
-    active = list(range(len(prompts)))
-    while active:
+    results = [Decoded([]) for _ in prompts]
+
+    def pick(logits: torch.Tensor, active: list[int]) -> list[int]:
         positions = [len(prompts[i]) + len(results[i].tokens) for i in active]
-        tokens = _choose_rows(logits, positions, sampling, [ids[i] for i in active])
-        keep = [r for r, (i, token) in enumerate(zip(active, tokens))
-                if not _finish(results[i].tokens, [token], eos, max_new)]
-        if not keep:
-            break
-        if len(keep) < len(active):
-            rows = target.keep_rows(rows, keep)
-            active = [active[r] for r in keep]
-        logits, rows = target.step_rows([tokens[r] for r in keep], rows)
-        for i in active:
-            results[i].target_passes += 1
+        return _choose_rows(logits, positions, sampling, [ids[i] for i in active])
+
+    passes = decode_plainly(target, prompts, pick, lambda i, token: not _finish(results[i].tokens, [token], eos, max_new))
+    for result, n in zip(results, passes):
+        result.target_passes = n
     return results
 
 
