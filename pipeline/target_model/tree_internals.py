@@ -119,8 +119,9 @@ def path_states(inputs: TreeStepInputs, paths: list[list[int]]) -> torch.Tensor:
     kernel a prefill uses; fla's on a GPU), shorter paths padded with steps that change nothing
     (beta = 0: no write; g = 0: no decay). The torch rule pads to its chunk, 64 tokens by default;
     a path is at most a block, so the chunk is the paths' length rounded up to a power of two (the
-    1,000-sample speculative sampling test spent 22 of its 47 s padding paths of 5 to 64; fla's
-    kernel, on a GPU, takes no chunk size and is given none: the wrapper drops what it does not take)."""
+    1,000-sample speculative sampling test spent 22 of its 47 s padding paths of 5 to 64). fla's
+    kernel, on a GPU, takes no chunk size: transformers' wrapper drops the arguments a kernel
+    does not take."""
     chunked = _qwen3_5_modeling().torch_chunk_gated_delta_rule
     longest = max(len(p) for p in paths)
     chunk = 1 << (longest - 1).bit_length()
