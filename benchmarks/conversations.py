@@ -164,7 +164,7 @@ def main() -> None:
     from pipeline.cache.reader import CacheReader
     from pipeline.config import ExtractConfig
     from pipeline.embedded import TARGET_DIR
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     target = out / "target"
     if not target.exists():

@@ -239,7 +239,7 @@ def section_coverage(args) -> dict:
     from pipeline.target_model import load_tokenizer
     from pipeline.toy.random_target import build_random_target
     from pipeline.training.draft_vocab import count_labels, coverage, vocab_from_counts
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     fixtures = REPO.parent / "shared" / "fixtures"
     work = Path(args.work)

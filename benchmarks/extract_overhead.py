@@ -35,7 +35,7 @@ from pipeline.embedded import TARGET_DIR  # noqa: E402
 from pipeline.machine import describe_machine  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
-from stages.extract import run_extract  # noqa: E402
+from stages.extract.run import run_extract  # noqa: E402
 
 
 def build_target(out: Path, hidden: int, layers: int) -> Path:

@@ -23,10 +23,12 @@ from pipeline.target_model import load_target, load_tokenizer
 from pipeline.target_model.internals import KernelCallCounter, bound_kernels, modeling_module_of, torch_fallback
 from pipeline.target_model.taps import default_taps
 from pipeline.toy.random_target import flagship_config
-from stages.eval import run_eval
-from stages.extract import run_extract
-from stages.generate import run_generate
-from stages.train import resolve_config, run_train
+from stages.eval.options import EvalOptions
+from stages.eval.run import run_eval
+from stages.extract.run import run_extract
+from stages.generate.options import GenerateOptions
+from stages.generate.run import run_generate
+from stages.train.run import resolve_config, run_train
 
 # Sizes: (smoke on a CPU, a GPU node).
 ROWS = {"smoke": 12, "gpu": 400}            # training conversations extracted, then trained on
@@ -123,8 +125,9 @@ def train_and_eval(device: torch.device, size: str, work: Path) -> dict:
     out = {"train": {"steps": trained["steps"], "wall_s": round(time.perf_counter() - start, 1), "device": trained["device"],
                      "autocast": trained["autocast"], "loss": trained["last"]["loss"]}}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-        result = run_eval(work / "run", target=None, prompts=None, block_size=None, tree_budgets=[16], tree_top_k=8,
-                          temperature=temperature, top_p=0.95 if temperature else 1.0, **EVAL[size])
+        result = run_eval(EvalOptions(drafter=work / "run", target=None, prompts=None, block_size=None,
+                                      tree_budget=[16], tree_top_k=8, temperature=temperature,
+                                      top_p=0.95 if temperature else 1.0, **EVAL[size]))
         reference = result["plain_sampling" if temperature else "greedy"]["tokens_per_s"]
         out[name] = {"device": result["device"], "lossless": result["lossless"], "reference_tokens_per_s": round(reference, 1),
                      **{v: {"tau": round(result[k]["tau_pooled"], 3) if v == "block" else round(result[k]["16"]["tau_pooled"], 3),
@@ -138,9 +141,10 @@ def generate(device: torch.device, size: str, work: Path) -> dict:
     data = work / "gen.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(4 if size == "smoke" else 64)))
     start = time.perf_counter()
-    summary = run_generate(data=[str(data)], out=work / "generated.jsonl", turns="last",
-                           max_new_tokens=16 if size == "smoke" else 256, temperature=1.0, top_p=0.95,
-                           batch_size=4 if size == "smoke" else 64)
+    summary = run_generate(GenerateOptions(data=[str(data)], out=work / "generated.jsonl", turns="last",
+                                           max_new_tokens=16 if size == "smoke" else 256,
+                                           temperature=1.0, top_p=0.95,
+                                           batch_size=4 if size == "smoke" else 64))
     tokenizer = load_tokenizer(embedded.TARGET_DIR)
     rows = [json.loads(line) for line in (work / "generated.jsonl").read_text().splitlines()]
     # A row whose last turn did not end within max_new_tokens is left out of the output (generate's rule).

@@ -36,7 +36,7 @@ from pipeline.speculative.decode import block_decode, greedy, tree_decode  # noq
 from pipeline.speculative.sampling import Sampling  # noqa: E402
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer  # noqa: E402
 from pipeline.target_model.live import LiveTarget  # noqa: E402
-from stages.train import resolve_config, run_train  # noqa: E402
+from stages.train.run import resolve_config, run_train  # noqa: E402
 
 
 def train_syncs(root: Path, rows: list[dict], steps: int) -> int:

@@ -39,7 +39,7 @@ def main() -> None:
     from pipeline import embedded
     from pipeline.faults import LR_BLOWUP_STEP, PLANT_ENV
     from pipeline.records.verdicts import read_verdicts
-    from stages.train import resolve_config, run_train
+    from stages.train.run import resolve_config, run_train
 
     rows = [json.loads(x) for x in embedded.TRAIN_DATA.read_text().splitlines()[:args.rows]]
     results = []

@@ -41,8 +41,8 @@ def curve(steps=(100, 300, 750)) -> dict:
     import tempfile
 
     from pipeline.config import ExtractConfig
-    from stages.extract import run_extract
-    from stages.train import resolve_config, run_train
+    from stages.extract.run import run_extract
+    from stages.train.run import resolve_config, run_train
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,7 +41,7 @@ def caches(work: Path) -> tuple[Path, Path, Path]:
     """(training cache, held-out cache, held-out conversations), extracted once."""
     from pipeline.config import ExtractConfig
     from pipeline.embedded import HELDOUT_DATA, TRAIN_DATA
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     out = []
     for name, data in (("train", TRAIN_DATA), ("heldout", HELDOUT_DATA)):
@@ -58,8 +58,9 @@ def cell_name(block: int, variant: str, seed: int) -> str:
 
 
 def run_cell(work: Path, block: int, variant: str, seed: int, steps: int, prompts: int) -> dict:
-    from stages.eval import run_eval
-    from stages.train import resolve_config, run_train
+    from stages.eval.options import EvalOptions
+    from stages.eval.run import run_eval
+    from stages.train.run import resolve_config, run_train
 
     train_cache, heldout_cache, heldout = caches(work)
     loss, weight = VARIANTS[variant]
@@ -72,9 +73,10 @@ def run_cell(work: Path, block: int, variant: str, seed: int, steps: int, prompt
     evals = {}
     for mode, sampling in (("greedy", {}), ("sampled", SAMPLED)):
         t0 = time.perf_counter()
-        result = run_eval(out, target=None, prompts=heldout, max_new_tokens=96, block_size=None, tree_budgets=[16],
-                          tree_top_k=8, limit=prompts, cache=heldout_cache if mode == "greedy" else None,
-                          batch_size=8, **sampling)
+        result = run_eval(EvalOptions(drafter=out, target=None, prompts=heldout, max_new_tokens=96, block_size=None,
+                                      tree_budget=[16], tree_top_k=8, limit=prompts,
+                                      cache=heldout_cache if mode == "greedy" else None,
+                                      batch_size=8, **sampling))
         evals[mode] = {"block_pooled": result["block"]["tau_pooled"], "block_mean_of_means": result["block"]["tau_mean_of_means"],
                        "tree16_pooled": result["tree"]["16"]["tau_pooled"],
                        "tree16_mean_of_means": result["tree"]["16"]["tau_mean_of_means"], "eval_s": time.perf_counter() - t0}

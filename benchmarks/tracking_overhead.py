@@ -35,7 +35,7 @@ ALL = "tensorboard,wandb,mlflow,trackio"
 
 
 def one_run(cache: Path, out: Path, *, steps: int, log_every: int, report_to: str | None) -> dict:
-    from stages.train import resolve_config, run_train
+    from stages.train.run import resolve_config, run_train
 
     cfg, preset = resolve_config(None, {"cache": str(cache), "out": str(out), "max_steps": steps,
                                         "log_every": log_every, "report_to": report_to})

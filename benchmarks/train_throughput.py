@@ -40,12 +40,12 @@ from pipeline.drafter.blocks import weighted_ce
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.training.stream import ACCELERATOR_READ_AHEAD, SampleStream, StreamState
 from pipeline.target_model import read_target_facts, recorded_in_cache, resolve_target
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 from pipeline.drafter.geometry import drafter_config
 from pipeline.training.plan import make_plan
 from pipeline.training.step import StepRunner
 from pipeline.target_model import frozen_target_modules
-from stages.train import resolve_config
+from stages.train.run import resolve_config
 
 
 def cache_or_extract(cache: Path | None, tmp: str) -> Path:

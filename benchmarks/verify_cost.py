@@ -34,8 +34,9 @@ from pipeline.embedded import TARGET_DIR  # noqa: E402
 from pipeline.target_model import load_target  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
 from pipeline.records.verify_result import VerifyResult  # noqa: E402
-from stages.extract import run_extract  # noqa: E402
-from stages.verify import run_verify  # noqa: E402
+from stages.extract.run import run_extract  # noqa: E402
+from stages.verify_cache.options import VerifyOptions
+from stages.verify_cache.run import run_verify  # noqa: E402
 
 
 def tail_vs_full(cache: Path, rounds: int = 3) -> dict:
@@ -84,7 +85,7 @@ def main() -> None:
         extract = run_extract(ExtractConfig(cache=str(root / "cache"), num_shards=args.shards), None, progress=False)
         extract_s = time.perf_counter() - start
         start = time.perf_counter()
-        report = run_verify(root / "cache")
+        report = run_verify(VerifyOptions(cache=root / "cache"))
         verify_s = time.perf_counter() - start
         tail = VerifyResult.from_json(report).check("tail_recompute").evidence
         result = {"tokens": extract["tokens"], "samples": extract["samples"], "extract_s": extract_s,

@@ -57,7 +57,8 @@ def checked_trials(tmp_path: Path, data, reference: Path, *, per_failpoint: int,
     hits of each failpoint and `timed` times after a random delay, each resumed; asserts that
     nothing partial ever looks committed, every resume completes exactly the missing shards, and
     the content equals `reference`'s (an uninterrupted run). Returns the trials aimed at failpoints."""
-    from stages.verify import run_verify
+    from stages.verify_cache.options import VerifyOptions
+    from stages.verify_cache.run import run_verify
 
     plan = {"root": str(tmp_path), "data": str(data), "num_shards": SHARDS, "batch_tokens": BATCH_TOKENS,
             "seed": 9, "per_failpoint": per_failpoint, "timed": timed, **({"s3": s3} if s3 else {}),
@@ -77,7 +78,7 @@ def checked_trials(tmp_path: Path, data, reference: Path, *, per_failpoint: int,
         assert not done["partial"], t
         cache = tmp_path / os.path.basename(t["cache"])
         assert_same_content(cache, reference)
-        assert run_verify(cache, tail_rate=0)["passed"], t  # content is already compared exactly above
+        assert run_verify(VerifyOptions(cache=cache, tail_rate=0))["passed"], t  # content is already compared exactly above
     return aimed
 
 
@@ -91,7 +92,7 @@ def child(cache: Path | str, plan: dict, *, failpoint: str = "", writer_queue: i
     try:
         from pipeline import faults
         from pipeline.config import ExtractConfig
-        from stages.extract import run_extract
+        from stages.extract.run import run_extract
 
         os.environ[faults.ENV] = failpoint
         cfg = ExtractConfig(cache=str(cache), data=[plan["data"]], num_shards=plan["num_shards"],
@@ -148,7 +149,7 @@ def main(plan_path: str) -> None:
     import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import stages.extract  # noqa: F401
+    import stages.extract.run  # noqa: F401
 
     plan = json.loads(Path(plan_path).read_text())
     root = Path(plan["root"])

@@ -27,7 +27,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 def small_cache(root: Path, rows: list[dict], num_shards: int) -> Path:
     """A cache at root/cache of the given conversations, extracted in-process with defaults."""
     from pipeline.config import ExtractConfig
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     data = write_rows(root / "convs.jsonl", rows)
     run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=num_shards), None, progress=False)

@@ -19,13 +19,16 @@ from pipeline.tracking import TRACKERS, parse_report_to
 EMBEDDED = "embedded"
 
 
-def option(default=dataclasses.MISSING, *, help: str, factory=None, parse=None):
+def option(default=dataclasses.MISSING, *, help: str, factory=None, parse=None, flag: str | None = None,
+           argument: bool = False):
     """A config field that is also the command-line option `--NAME` (hyphens for underscores),
-    with this help text: cli.py derives the option from the field, so a new option is one field
-    here. The option's type is the field's (str, int, float, bool: a `--NAME` flag when the
-    default is False, else `--NAME/--no-NAME`; list[str]: repeatable); `parse(text, flag)` turns
-    the option's text into the value where the field is anything else."""
-    metadata = {"help": help, "parse": parse}
+    with this help text: the command's option is derived from the field (pipeline/ui/options.py),
+    so a new option is one field. The option's type is the field's (str, int, float, Path, bool: a
+    `--NAME` flag when the default is False, else `--NAME/--no-NAME`; a list: repeatable);
+    `parse(text, flag)` turns the option's text into the value where the field is anything else.
+    `flag` names the option where the field's name cannot (`--json` for `json_out`); `argument`
+    makes it positional. A field without a default is a required option."""
+    metadata = {"help": help, "parse": parse, "flag": flag, "argument": argument}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -101,7 +101,7 @@ def trained_run(tmp_path_factory, train_rows):
     "steps": TRAINED_STEPS}. Tests must not write into it."""
     from harness.built_once import built_once
     from harness.runs import small_cache
-    from stages.train import resolve_config, run_train
+    from stages.train.run import resolve_config, run_train
 
     def build(root):
         cache = small_cache(root, train_rows[:400], 2)
@@ -122,7 +122,7 @@ def twelve_rows_cache(tmp_path_factory, train_rows):
     from harness.built_once import built_once
     from harness.runs import write_rows
     from pipeline.config import ExtractConfig
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     def build(root):
         data = write_rows(root / "convs.jsonl", train_rows[:12])

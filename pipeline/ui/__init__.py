@@ -2,7 +2,7 @@
 
 Progress bars and colour go to stderr and are off in JSON mode, so stdout stays parseable.
 This module holds the shared pieces (consoles, JSON, tables, messages, progress, the decoded
-sample); what each command prints at its end lives in `pipeline.ui.summaries`.
+sample); what each command prints at its end lives beside it, in stages/COMMAND/show.py.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pipeline.cache.schema import Chunking, array_specs, per_shard_files
 from pipeline.cache.sharded import frame_content_size
 from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 
 # Tiny chunks so that the embedded rows span many inner chunks and many files per array.
 SMALL = {"hidden_chunk_bytes": 4096, "hidden_chunks_per_file": 4, "small_chunk_tokens": 64, "small_chunks_per_file": 3}

@@ -102,7 +102,7 @@ def test_the_identity_comparison_names_exactly_the_changed_fields(cache, count):
 def test_extract_names_the_conflicting_field(cache, train_rows):
     """The second invocation with another top-k goes through the same comparison."""
     from pipeline.config import ExtractConfig
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     data = json.loads((cache / "manifest.json").read_text())["sources"]["data"]
     with pytest.raises(PipelineError, match=r"different configuration \(capture.top_k: 32 -> 8\)"):
@@ -147,21 +147,22 @@ def test_the_recorded_target_is_used_only_if_it_is_the_recorded_model(embedded, 
 def test_eval_does_not_fall_back_to_the_embedded_target(tmp_path):
     """A drafter export without its run record and no --target: refused (it used to run against
     the embedded target whatever the drafter was trained for)."""
-    from stages.eval import run_eval
+    from stages.eval.options import EvalOptions
+    from stages.eval.run import run_eval
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
     with pytest.raises(PipelineError, match="no target given and none recorded: pass --target DIR"):
-        run_eval(drafter, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[], tree_top_k=4,
-                 limit=1)
+        run_eval(EvalOptions(drafter=drafter, target=None, prompts=None, max_new_tokens=4, block_size=None,
+                             tree_budget=[], tree_top_k=4, limit=1))
 
 
 def test_verify_and_train_compare_a_target_with_the_same_comparison(cache, embedded, tmp_path):
     """Another chat template: verify's target check and train's refusal name the same fields."""
     from pipeline.cache.reader import CacheReader
     from pipeline.target_model import load_tokenizer
-    from stages.train import resolve_config, run_train
+    from stages.train.run import resolve_config, run_train
     from pipeline.verify.selection_checks import check_target_identity
 
     other = tmp_path / "other"
@@ -183,7 +184,7 @@ def test_verify_and_train_compare_a_target_with_the_same_comparison(cache, embed
 def test_a_mask_id_that_occurs_in_the_data_is_refused(tmp_path, train_rows):
     """Extract records the reserved ids each shard contains; train refuses a mask id among them,
     and reads the input_ids of a shard that lacks the record (a cache written before it)."""
-    from stages.train import resolve_config, run_train
+    from stages.train.run import resolve_config, run_train
 
     rows = train_rows[:20] + [{"input_ids": [10, 11, 499, 12, 13, 14, 15, 16], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 1]}]
     cache = small_cache(tmp_path, rows, 2)

@@ -36,7 +36,7 @@ from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
 from harness.marks import needs_s3
 from harness.s3_server import ForgetfulRelay, objects, use_server
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 
 
 @pytest.fixture(scope="module")

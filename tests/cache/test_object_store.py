@@ -22,8 +22,9 @@ from harness.marks import needs_s3
 from harness.runs import REPO
 from harness.s3_server import KEY_ID, SECRET, MotoServer, Outage, download, objects, use_server
 from pipeline.config import ExtractConfig
-from stages.extract import run_extract
-from stages.verify import run_verify
+from stages.extract.run import run_extract
+from stages.verify_cache.options import VerifyOptions
+from stages.verify_cache.run import run_verify
 
 pytestmark = needs_s3
 
@@ -70,20 +71,20 @@ def test_a_bucket_cache_is_the_directory_cache_byte_for_byte(s3_server, s3_env, 
     assert digests == {name: rec["digest"] for name, rec in manifest_json(reference)["shards"].items()}
 
     for where in (f"s3://{bucket}/hs", str(reference)):
-        report = run_verify(where, tail_rate=0.5)
+        report = run_verify(VerifyOptions(cache=where, tail_rate=0.5))
         assert report["passed"], [c for c in report["checks"] if c["status"] == "fail"]
         assert report["cache"] == where
     # Copied either way, a cache verifies where it lands.
     copied = download(s3_server.client(), bucket, "hs/", tmp_path / "copied")
-    assert run_verify(str(copied), tail_rate=0)["passed"]
+    assert run_verify(VerifyOptions(cache=str(copied), tail_rate=0))["passed"]
     other = s3_server.new_bucket()
     for rel, blob in directory_files(reference).items():
         s3_server.client().put_object(Bucket=other, Key=f"up/{rel}", Body=blob)
-    assert run_verify(f"s3://{other}/up", tail_rate=0)["passed"]
+    assert run_verify(VerifyOptions(cache=f"s3://{other}/up", tail_rate=0))["passed"]
 
 
 def test_training_from_a_bucket_equals_training_from_a_directory(s3_server, s3_env, data, reference, tmp_path):
-    from stages.train import resolve_config, run_train
+    from stages.train.run import resolve_config, run_train
 
     bucket = s3_server.new_bucket()
     for rel, blob in directory_files(reference).items():

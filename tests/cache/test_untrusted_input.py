@@ -12,7 +12,7 @@ from harness.caches import manifest_json, resign
 from harness.runs import cli, cli_here, small_cache
 from pipeline.cache.reader import CacheReader
 from pipeline.errors import PipelineError
-from stages.train import resolve_config, run_train
+from stages.train.run import resolve_config, run_train
 
 
 @pytest.fixture(scope="module")

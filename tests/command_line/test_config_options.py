@@ -1,6 +1,7 @@
-"""Options declared once: each `option(...)` field of a config dataclass is its command's `--NAME`
-(pipeline/ui/config_options.py). Checked against flag lists written out by hand (the options the
-commands had when each one was spelled in cli.py) and on a small command built here."""
+"""Options declared once: each `option(...)` field of a command's options dataclass (and of
+ExtractConfig / TrainConfig) is its command's `--NAME` (pipeline/ui/options.py). Checked against
+flag lists written out by hand (the options the commands had when each one was spelled in cli.py)
+and on a small command built here."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from pipeline.config import ExtractConfig, TrainConfig, int_list, option, token_or_id
-from pipeline.ui.config_options import config_options
+from pipeline.ui.options import command
 
 runner = CliRunner()
 
@@ -23,6 +24,23 @@ TRAIN_FLAGS = ["--cache", "--preset", "--target", "--out", "--max-steps", "--num
 EXTRACT_FLAGS = ["--target", "--data", "--cache", "--num-shards", "--layers", "--top-k", "--hidden-format",
                  "--max-length", "--overlong", "--on-error", "--reasoning", "--generated-by", "--batch-tokens", "--tp",
                  "--shard-locks", "--no-shard-locks"]
+# Written out by hand: every flag of the other commands when cli.py spelled each one (typer.Option
+# by typer.Option), plus their positional arguments.
+OTHER_FLAGS = {
+    "generate": ["--data", "--out", "--target", "--server", "--model", "--concurrency", "--shards", "--num-shards",
+                 "--turns", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--batch-size", "--device",
+                 "--dtype", "--on-error", "--json"],
+    "eval": ["--drafter", "--target", "--prompts", "--max-new-tokens", "--block-size", "--tree-budget", "--tree-top-k",
+             "--report-to", "--tree-verify", "--batch-size", "--limit", "--cache", "--device", "--dtype", "--group-by",
+             "--temperature", "--top-p", "--top-k", "--seed", "--outputs", "--json"],
+    "report": ["logs", "--window", "--every", "--epochs", "--steps-per-epoch", "--reference-tau", "--out", "--follow",
+               "--interval", "--eval", "--json"],
+    "verify-cache": ["cache", "--shards", "--target", "--recompute", "--tail-rate", "--device", "--dtype",
+                     "--sample-rate", "--show", "--seed", "--json"],
+    "demo": ["--out", "--quick", "--report-to", "--block-size", "--json"],
+    "cache-info": ["cache", "--draft-vocab", "--json"],
+    "target-info": ["path", "--data", "--json"],
+}
 
 
 def declared_flags(command: str) -> set[str]:
@@ -39,6 +57,29 @@ def test_every_config_option_is_a_flag_with_help(command, flags):
     group = typer.main.get_command(app)
     for param in group.commands[command].params:
         assert param.help, f"{command} {param.opts} has no help"
+
+
+@pytest.mark.parametrize("command_name", sorted(OTHER_FLAGS))
+def test_every_command_keeps_its_flags_each_with_help(command_name):
+    group = typer.main.get_command(app)
+    params = [p for p in group.commands[command_name].params if p.name != "help"]
+    declared = {o for p in params for o in p.opts if o.startswith("--") or p.param_type_name == "argument"}
+    assert declared == set(OTHER_FLAGS[command_name])
+    for param in params:
+        assert param.param_type_name == "argument" or param.help, f"{command_name} {param.opts} has no help"
+
+
+def test_a_shared_option_says_the_same_in_every_command():
+    """--device, --dtype, --seed, --shards and --json are declared once (stages/options.py); train's
+    --dtype (autocast) and --seed (init, data order, anchors) are TrainConfig's own."""
+    group = typer.main.get_command(app)
+    helps: dict[str, set] = {}
+    for name, cmd in group.commands.items():
+        for param in cmd.params:
+            if param.opts[0] in ("--device", "--shards", "--json") or (param.opts[0] in ("--dtype", "--seed") and name != "train"):
+                helps.setdefault(param.opts[0], set()).add(param.help)
+    assert set(helps) == {"--device", "--dtype", "--seed", "--shards", "--json"}
+    assert all(len(texts) == 1 for texts in helps.values()), helps
 
 
 def test_only_declared_fields_are_options():
@@ -64,13 +105,18 @@ class Toy:
     hidden: int = 7                                       # no option(...): TOML only
 
 
+@dataclasses.dataclass(kw_only=True)
+class ToyOwn:
+    loud: bool = option(False, help="The command's own.")
+
+
 def toy_app(seen: list):
     toy = typer.Typer()
 
     @toy.command()
-    @config_options(Toy)
-    def run(overrides: dict, loud: bool = typer.Option(False, "--loud", help="The command's own.")) -> None:
-        seen.append((overrides, loud))
+    @command(ToyOwn, config=Toy)
+    def run(options: ToyOwn, overrides: dict) -> None:
+        seen.append((overrides, options.loud))
 
     @toy.command()
     def other() -> None:  # a second command keeps typer from folding `run` into the app itself
@@ -109,7 +155,7 @@ def test_an_option_the_cli_cannot_type_is_refused_when_declared():
         table: dict = option(factory=dict, help="A table.")
 
     with pytest.raises(TypeError, match="Bad.table"):
-        config_options(Bad)(lambda overrides: None)
+        command(ToyOwn, config=Bad)
 
 
 def test_a_bad_option_value_is_one_line_naming_the_flag(tmp_path):

@@ -26,11 +26,14 @@ from pipeline.speculative.decode import block_decode, greedy, greedy_rows, tree_
 from pipeline.speculative.sampling import Sampling, draw
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target
 from pipeline.target_model.live import LiveTarget
-from stages.eval import run_eval
-from stages.extract import run_extract
-from stages.generate import run_generate
-from stages.train import resolve_config, run_train
-from stages.verify import run_verify
+from stages.eval.options import EvalOptions
+from stages.eval.run import run_eval
+from stages.extract.run import run_extract
+from stages.generate.options import GenerateOptions
+from stages.generate.run import run_generate
+from stages.train.run import resolve_config, run_train
+from stages.verify_cache.options import VerifyOptions
+from stages.verify_cache.run import run_verify
 
 MAX_NEW = 10
 SAMPLED = Sampling(temperature=1.0, top_p=0.9, seed=3)
@@ -90,8 +93,9 @@ def test_decoding_on_the_device_equals_the_host(setting, sampling, vocab):
 
 def test_sampled_eval_runs_on_the_device(setting):
     with simulated_accelerator():
-        result = run_eval(setting["run"], target=None, prompts=None, max_new_tokens=8, block_size=None, tree_budgets=[4],
-                          tree_top_k=4, limit=2, batch_size=2, temperature=1.0, top_p=0.9)
+        result = run_eval(EvalOptions(drafter=setting["run"], target=None, prompts=None, max_new_tokens=8,
+                                      block_size=None, tree_budget=[4], tree_top_k=4, limit=2,
+                                      batch_size=2, temperature=1.0, top_p=0.9))
     assert result["device"].startswith("meta")
     assert result["block"]["tokens"] > 0 and result["tree"]["4"]["tokens"] > 0
 
@@ -100,11 +104,12 @@ def test_generate_on_the_device_writes_what_the_host_writes(train_rows, tmp_path
     data = write_rows(tmp_path / "convs.jsonl", train_rows[:3])
     for temperature in (0.0, 1.0):
         host_out, device_out = tmp_path / f"host-{temperature}.jsonl", tmp_path / f"device-{temperature}.jsonl"
-        run_generate(data=[str(data)], out=host_out, turns="last", max_new_tokens=16, temperature=temperature,
-                     top_p=0.9, batch_size=3, device="cpu")
+        run_generate(GenerateOptions(data=[str(data)], out=host_out, turns="last", max_new_tokens=16,
+                                     temperature=temperature, top_p=0.9, batch_size=3, device="cpu"))
         with simulated_accelerator():
-            summary = run_generate(data=[str(data)], out=device_out, turns="last", max_new_tokens=16,
-                                   temperature=temperature, top_p=0.9, batch_size=3)
+            summary = run_generate(GenerateOptions(data=[str(data)], out=device_out, turns="last", max_new_tokens=16,
+                                                   temperature=temperature, top_p=0.9,
+                                                   batch_size=3))
         assert summary["num_rows"] == 3
         host = [json.loads(line)["messages"] for line in host_out.read_text().splitlines()]
         device = [json.loads(line)["messages"] for line in device_out.read_text().splitlines()]
@@ -126,7 +131,7 @@ def test_extract_on_the_device_stores_what_the_host_stores_and_verifies(extracte
     # ids and masks exact, predictions' ids 99%, values within rtol 0.02 (harness/caches.py)
     assert_same_content(extracted / "host", extracted / "device", exact=False, atol=1e-3)
     with simulated_accelerator():
-        result = run_verify(extracted / "device", recompute=2)
+        result = run_verify(VerifyOptions(cache=extracted / "device", recompute=2))
     statuses = {c["check"]: c["status"] for c in result["checks"]}
     assert statuses["recompute"] == statuses["tail_recompute"] == "pass", statuses
     assert "fail" not in statuses.values(), statuses

@@ -29,7 +29,7 @@ from harness.runs import REPO, cli, write_rows
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 
 TEMPLATES = REPO.parent / "shared" / "fixtures" / "chat_templates"
 pytestmark = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"real chat templates not found at {TEMPLATES} "
@@ -200,11 +200,12 @@ def test_verify_rederives_and_show_marks_kinds(tmp_path, targets):
     colours reasoning, tool-call, content and end-of-turn tokens apart."""
     from pipeline.data.loss_mask import token_kinds
     from pipeline.verify.sample_view import show_sample
-    from stages.verify import run_verify
+    from stages.verify_cache.options import VerifyOptions
+    from stages.verify_cache.run import run_verify
     target = targets[("qwen3.6", True)]
     shapes = ["tool_with_reasoning", "reasoning_last", "assistant_first", "content_null"]
     extract_cases(tmp_path, target, "qwen3.6", "thinking", shapes)
-    result = run_verify(tmp_path / "cache", target=target)
+    result = run_verify(VerifyOptions(cache=tmp_path / "cache", target=target))
     checks = {c["check"]: c for c in result["checks"]}
     assert checks["loss_mask"]["status"] == "pass" and "4 samples" in checks["loss_mask"]["summary"], checks["loss_mask"]
     assert checks["mask_boundaries"]["status"] == "pass", checks["mask_boundaries"]

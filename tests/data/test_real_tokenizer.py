@@ -42,7 +42,7 @@ def real(tmp_path_factory):
     """The target, the data, its cache and a drafter trained a few steps on it."""
     from pipeline.config import ExtractConfig
     from pipeline.toy.random_target import build_random_target
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     root = tmp_path_factory.mktemp("real_vocab")
     target = build_random_target(root / "target", TOKENIZER, FIXTURES / "chat_templates" / "qwen3.6.jinja")
@@ -75,9 +75,10 @@ def test_stored_masks_equal_the_oracle(real):
 def test_verify_passes_with_label_alignment_inconclusive(real):
     """A random target agrees with the data at no shift: the check says it cannot tell (and gives
     the three rates) instead of naming a shift; every other check passes, masks re-derived."""
-    from stages.verify import run_verify
+    from stages.verify_cache.options import VerifyOptions
+    from stages.verify_cache.run import run_verify
 
-    result = run_verify(real["cache"], target=real["target"], progress=False)
+    result = run_verify(VerifyOptions(cache=real["cache"], target=real["target"]), progress=False)
     checks = {c["check"]: c for c in result["checks"]}
     alignment = checks["label_alignment"]
     assert alignment["status"] == "inconclusive", alignment
@@ -98,13 +99,14 @@ def test_recompute_accepts_near_ties_flipped_by_rounding_and_catches_a_wrong_arg
 
     from harness.caches import resign
     from pipeline.config import ExtractConfig
-    from stages.extract import run_extract
-    from stages.verify import run_verify
+    from stages.extract.run import run_extract
+    from stages.verify_cache.options import VerifyOptions
+    from stages.verify_cache.run import run_verify
 
     cache = tmp_path / "bf16-computed"
     run_extract(ExtractConfig(target=str(real["target"]), data=[str(real["data"])], cache=str(cache), num_shards=2,
                               compute_dtype="bfloat16"), None, progress=False)
-    result = run_verify(cache, target=real["target"], recompute=2, tail_rate=0, dtype="float32")
+    result = run_verify(VerifyOptions(cache=cache, target=real["target"], recompute=2, tail_rate=0, dtype="float32"))
     recompute = next(c for c in result["checks"] if c["check"] == "recompute")
     assert recompute["evidence"]["argmax_agreement"] < 0.99  # the near-ties this test is about are there
     assert recompute["status"] == "pass", recompute["summary"]
@@ -123,7 +125,7 @@ def test_recompute_accepts_near_ties_flipped_by_rounding_and_catches_a_wrong_arg
     stored[longest[name][1] + 3] = 0  # id 0 ('!'): not within rounding of the best logit at a random position
     array[:] = stored
     resign(cache, name)
-    wrong = run_verify(cache, target=real["target"], recompute=2, tail_rate=0, dtype="float32")
+    wrong = run_verify(VerifyOptions(cache=cache, target=real["target"], recompute=2, tail_rate=0, dtype="float32"))
     recompute = next(c for c in wrong["checks"] if c["check"] == "recompute")
     assert recompute["status"] == "fail" and "worst argmax shortfall" in recompute["summary"], recompute["summary"]
     assert recompute["evidence"]["argmax_shortfall"] > recompute["evidence"]["argmax_shortfall_tolerance"]
@@ -177,13 +179,15 @@ def test_train_names_the_mask_option_then_trains_with_248070(real):
 
 
 def test_eval_is_lossless_on_the_real_vocabulary(real):
-    from stages.eval import run_eval
+    from stages.eval.options import EvalOptions
+    from stages.eval.run import run_eval
 
     if "run" not in real:
         pytest.skip("needs the drafter of test_train_names_the_mask_option_then_trains_with_248070")
     prompts = write_rows(real["root"] / "prompts.jsonl", [as_row(s) for s in ("tool_with_reasoning", "three_turns")])
-    result = run_eval(real["run"], target=real["target"], prompts=prompts, max_new_tokens=6, block_size=None,
-                      tree_budgets=[8], tree_top_k=4, limit=None, batch_size=2)
+    result = run_eval(EvalOptions(drafter=real["run"], target=real["target"], prompts=prompts, max_new_tokens=6,
+                                  block_size=None, tree_budget=[8], tree_top_k=4, limit=None,
+                                  batch_size=2))
     assert result["lossless"] and result["prompts"] == 2 and result["greedy"]["tokens"] == 12, result
 
 

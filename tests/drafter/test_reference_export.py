@@ -88,7 +88,7 @@ def test_a_window_without_use_sliding_window_is_refused(tmp_path):
 
 def test_flagship_preset_is_the_reference_geometry():
     """DESIGN 2's reference drafter for Qwen3.6-27B, number by number."""
-    from stages.train import resolve_config
+    from stages.train.run import resolve_config
 
     cfg, target = resolve_config(None, {"preset": "qwen3.6-27b", "cache": "nowhere"})
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5, 32, 8, 128)

@@ -10,7 +10,7 @@ from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.data.loss_mask import tokenize_conversation
 from pipeline.errors import PipelineError
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 from harness.caches import assert_same_content, decoded, manifest_json
 from harness.runs import cli_here, write_rows
 

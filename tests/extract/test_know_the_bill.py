@@ -17,7 +17,7 @@ from harness.runs import cli_here
 from pipeline.config import ExtractConfig
 from harness.marks import needs_s3
 from harness.s3_server import ForgetfulRelay, MotoServer
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 
 EXTRACT = ["--num-shards", "3", "--batch-tokens", "256"]  # the twelve-row caches' settings
 

@@ -17,7 +17,8 @@ from harness.ports import free_port
 from harness.runs import REPO, cli, cli_here, torchrun, write_rows
 
 from pipeline.errors import PipelineError
-from stages.generate import run_generate
+from stages.generate.options import GenerateOptions
+from stages.generate.run import run_generate
 
 ROWS = 16
 
@@ -60,7 +61,7 @@ def data(tmp_path_factory, rows):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data):
     out = tmp_path_factory.mktemp("ref") / "out.jsonl"
-    summary = run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=8)
+    summary = run_generate(GenerateOptions(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=8))
     return out, summary
 
 
@@ -81,10 +82,10 @@ def test_in_process_gives_back_the_targets_greedy_answers(reference, rows):
 
 def test_last_turn_only_and_the_manifest_records_the_source(tmp_path, data, rows):
     from pipeline.config import ExtractConfig
-    from stages.extract import run_extract
+    from stages.extract.run import run_extract
 
     out = tmp_path / "last.jsonl"
-    summary = run_generate(data=[str(data)], out=out, turns="last", max_new_tokens=96, batch_size=8)
+    summary = run_generate(GenerateOptions(data=[str(data)], out=out, turns="last", max_new_tokens=96, batch_size=8))
     assert summary["turns_written"] == ROWS
     assert messages(out) == [r["messages"] for r in rows]
     run_extract(ExtractConfig(cache=str(tmp_path / "cache"), data=[str(out)], num_shards=1), None, progress=False)
@@ -127,8 +128,8 @@ def test_sampling_is_seeded_per_sequence(tmp_path, data):
     runs = {}
     for name, batch, seed in (("b1", 1, 5), ("b8", 8, 5), ("other", 8, 6)):
         out = tmp_path / f"{name}.jsonl"
-        run_generate(data=[str(data)], out=out, turns="last", max_new_tokens=32, temperature=1.0, top_p=0.9,
-                     seed=seed, batch_size=batch)
+        run_generate(GenerateOptions(data=[str(data)], out=out, turns="last", max_new_tokens=32, temperature=1.0,
+                                     top_p=0.9, seed=seed, batch_size=batch))
         runs[name] = messages(out)
     assert runs["b1"] == runs["b8"]
     assert runs["other"] != runs["b8"]
@@ -142,17 +143,18 @@ def test_bad_input_and_mismatched_resume_are_one_line_errors(tmp_path, data, tra
     assert not (tmp_path / "o.jsonl").exists()
     tokenized = write_rows(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
     with pytest.raises(PipelineError, match=r"ids.jsonl:1: a pre-tokenized row"):
-        run_generate(data=[str(tokenized)], out=tmp_path / "ids-out.jsonl")
+        run_generate(GenerateOptions(data=[str(tokenized)], out=tmp_path / "ids-out.jsonl"))
     out = tmp_path / "resume.jsonl"
-    run_generate(data=[str(data)], out=out, shards="0", num_shards=3, max_new_tokens=96, batch_size=8)
+    run_generate(GenerateOptions(data=[str(data)], out=out, shards="0", num_shards=3, max_new_tokens=96,
+                                 batch_size=8))
     assert not out.exists()      # 2 of 3 shards missing: no output that looks complete
     with pytest.raises(PipelineError, match=r"made with another generated_by"):
-        run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=32, batch_size=8)
+        run_generate(GenerateOptions(data=[str(data)], out=out, num_shards=3, max_new_tokens=32, batch_size=8))
     for kwargs, message in (({"turns": "first"}, "--turns must be one of all, last"),
                             ({"top_p": 0.0}, r"--top-p must be in \(0, 1\]"),
                             ({"server": "127.0.0.1:1"}, "--server must be an http")):
         with pytest.raises(PipelineError, match=message):
-            run_generate(data=[str(data)], out=tmp_path / "x.jsonl", **kwargs)
+            run_generate(GenerateOptions(data=[str(data)], out=tmp_path / "x.jsonl", **kwargs))
 
 
 def test_resume_ignores_how_the_work_ran_and_names_what_differs(tmp_path, data, reference):
@@ -160,17 +162,18 @@ def test_resume_ignores_how_the_work_ran_and_names_what_differs(tmp_path, data, 
     batch size; a refusal names the field and both values; once OUT.jsonl is written the shard
     files go (complete.json records the output) and a re-run does nothing."""
     out = tmp_path / "resume.jsonl"
-    run_generate(data=[str(data)], out=out, shards="0", num_shards=3, max_new_tokens=96, batch_size=8)
+    run_generate(GenerateOptions(data=[str(data)], out=out, shards="0", num_shards=3, max_new_tokens=96,
+                                 batch_size=8))
     with pytest.raises(PipelineError) as refused:
-        run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=32, batch_size=8)
+        run_generate(GenerateOptions(data=[str(data)], out=out, num_shards=3, max_new_tokens=32, batch_size=8))
     assert "made with another generated_by.sampling.max_new_tokens (96 then, 32 now)" in str(refused.value)
-    summary = run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=3)
+    summary = run_generate(GenerateOptions(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=3))
     assert summary["shards_already_done"] == 1 and summary["shards_written"] == 2 and summary["assembled"]
     assert out.read_bytes() == reference[0].read_bytes()
     parts = Path(str(out) + ".parts")
     assert sorted(p.name for p in parts.iterdir()) == ["complete.json", "plan.json"], list(parts.iterdir())
     assert "keeps plan.json and complete.json only" in summary["parts"]
-    again = run_generate(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=16)
+    again = run_generate(GenerateOptions(data=[str(data)], out=out, num_shards=3, max_new_tokens=96, batch_size=16))
     assert again["shards_written"] == 0 and again["assembled"] and again["rows"] == 0
     assert out.read_bytes() == reference[0].read_bytes()
 
@@ -221,13 +224,15 @@ def test_a_real_server_gives_what_the_target_gives_in_process(tmp_path, serving,
     server = _serve(port, serving)
     try:
         out = tmp_path / "served.jsonl"
-        summary = run_generate(data=[str(data)], out=out, server=f"http://127.0.0.1:{port}", target=str(serving),
-                               num_shards=3, max_new_tokens=96, concurrency=4)
+        summary = run_generate(GenerateOptions(data=[str(data)], out=out, server=f"http://127.0.0.1:{port}",
+                                               target=str(serving), num_shards=3, max_new_tokens=96,
+                                               concurrency=4))
         assert summary["assembled"] and summary["rows_written"] == ROWS
         assert messages(out) == messages(reference[0])
         assert json.loads(out.read_text().splitlines()[0])["generated_by"]["backend"] == "server"
         with pytest.raises(PipelineError, match="does not serve 'gpt-4'"):
-            run_generate(data=[str(data)], out=tmp_path / "wrong.jsonl", server=f"http://127.0.0.1:{port}", model="gpt-4")
+            run_generate(GenerateOptions(data=[str(data)], out=tmp_path / "wrong.jsonl",
+                                         server=f"http://127.0.0.1:{port}", model="gpt-4"))
         # A target whose chat template differs from what the server renders: refused at the first answer.
         other = tmp_path / "other-target"
         shutil.copytree(serving, other)
@@ -235,8 +240,9 @@ def test_a_real_server_gives_what_the_target_gives_in_process(tmp_path, serving,
         template.write_text("{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}" + template.read_text())
         with pytest.raises(PipelineError, match=r"the server counts \d+ prompt tokens where the target's tokenizer and "
                                                 r"chat template give \d+"):
-            run_generate(data=[str(data)], out=tmp_path / "mismatch.jsonl", server=f"http://127.0.0.1:{port}",
-                         target=str(other), max_new_tokens=8)
+            run_generate(GenerateOptions(data=[str(data)], out=tmp_path / "mismatch.jsonl",
+                                         server=f"http://127.0.0.1:{port}", target=str(other),
+                                         max_new_tokens=8))
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
@@ -262,14 +268,14 @@ def test_a_server_killed_mid_run_is_a_clear_error_and_the_output_resumes(tmp_pat
 
     monkeypatch.setattr(Parts, "write", write_then_kill)
     with pytest.raises(PipelineError, match=r"heldout.jsonl:\d+ \(assistant turn 1\): no answer from .* after 5 tries"):
-        run_generate(data=[str(data)], out=out, server=url, num_shards=3, max_new_tokens=96)
+        run_generate(GenerateOptions(data=[str(data)], out=out, server=url, num_shards=3, max_new_tokens=96))
     monkeypatch.setattr(Parts, "write", original_write)
     assert not out.exists() and Parts(out).done(0) is not None and Parts(out).done(1) is None
     port = free_port()        # restarted on another port, reached by another name: the same output
     server = _serve(port, serving)
     try:
-        summary = run_generate(data=[str(data)], out=out, server=f"http://localhost:{port}", num_shards=3,
-                               max_new_tokens=96)
+        summary = run_generate(GenerateOptions(data=[str(data)], out=out, server=f"http://localhost:{port}",
+                                               num_shards=3, max_new_tokens=96))
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()

@@ -8,7 +8,7 @@ import pytest
 
 from harness.runs import cli, cli_here
 from pipeline.errors import PipelineError
-from stages.report import run_report
+from stages.report.run import run_report
 
 STEPS = range(10, 2001, 10)   # 200 entries, 100 steps per epoch
 

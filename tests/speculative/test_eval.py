@@ -13,7 +13,8 @@ from pipeline.speculative.decode import block_decode, greedy
 from pipeline.target_model.live import LiveTarget
 from pipeline.speculative.tree import build_tree
 from pipeline.data.prompts import read_prompts
-from stages.eval import run_eval
+from stages.eval.options import EvalOptions
+from stages.eval.run import run_eval
 from pipeline.target_model import frozen_target_modules
 
 EOS = {498}
@@ -48,8 +49,9 @@ def full_eval(trained, heldout_rows, tmp_path_factory):
     plus the teacher-forced metrics on a cache of the same conversations."""
     root = tmp_path_factory.mktemp("heldout")
     heldout = small_cache(root, heldout_rows[:PROMPTS], 2)
-    return run_eval(trained, target=None, prompts=root / "convs.jsonl", max_new_tokens=96, block_size=None,
-                    tree_budgets=[16], tree_top_k=8, limit=PROMPTS, cache=heldout, batch_size=8)
+    return run_eval(EvalOptions(drafter=trained, target=None, prompts=root / "convs.jsonl", max_new_tokens=96,
+                                block_size=None, tree_budget=[16], tree_top_k=8, limit=PROMPTS,
+                                cache=heldout, batch_size=8))
 
 
 def test_block_and_tree_decoding_equal_greedy_on_every_evaluated_prompt(full_eval):
@@ -181,12 +183,11 @@ def test_eval_warns_when_the_target_is_not_the_one_trained_against(trained, tmp_
     weights[name] = weights[name] * 1.01
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     warnings = []
-    kwargs = dict(prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[], tree_top_k=8, limit=2,
-                  warn=warnings.append)
-    result = run_eval(trained, target=other, **kwargs)
+    kwargs = dict(prompts=None, max_new_tokens=4, block_size=None, tree_budget=[], tree_top_k=8, limit=2)
+    result = run_eval(EvalOptions(drafter=trained, target=other, **kwargs), warn=warnings.append)
     assert result["lossless"] and result["target_differs_from_training"] == "weights (model.safetensors)", result
     assert len(warnings) == 1 and str(other) in warnings[0] and "weights (model.safetensors)" in warnings[0], warnings
-    same = run_eval(trained, target=embedded.TARGET_DIR, **kwargs)
+    same = run_eval(EvalOptions(drafter=trained, target=embedded.TARGET_DIR, **kwargs), warn=warnings.append)
     assert same["target_differs_from_training"] is None and len(warnings) == 1
 
 
@@ -195,12 +196,13 @@ def test_eval_device_and_dtype_options(trained):
     claim about speed or exactness), and unusable --device / --dtype values are one-line errors."""
     from pipeline.errors import PipelineError
 
-    result = run_eval(trained, target=None, prompts=None, max_new_tokens=8, block_size=None, tree_budgets=[4],
-                      tree_top_k=4, limit=1, device="cpu", dtype="bfloat16")
+    result = run_eval(EvalOptions(drafter=trained, target=None, prompts=None, max_new_tokens=8, block_size=None,
+                                  tree_budget=[4], tree_top_k=4, limit=1, device="cpu",
+                                  dtype="bfloat16"))
     assert result["device"] == "cpu (bfloat16)" and result["prompts"] == 1
     assert result["greedy"]["tokens"] > 0 and result["block"]["tokens"] > 0 and result["tree"]["4"]["tokens"] > 0
-    batched = run_eval(trained, target=None, prompts=None, max_new_tokens=16, block_size=None, tree_budgets=[8],
-                       tree_top_k=4, limit=5, batch_size=3)
+    batched = run_eval(EvalOptions(drafter=trained, target=None, prompts=None, max_new_tokens=16, block_size=None,
+                                   tree_budget=[8], tree_top_k=4, limit=5, batch_size=3))
     assert batched["batch_size"] == 3 and batched["prompts"] == 5 and batched["lossless"]
     for device, dtype, verify, batch, message in (
             ("meta", "auto", "tree", 1, "--device: 'meta' is not supported"),
@@ -210,12 +212,13 @@ def test_eval_device_and_dtype_options(trained):
             ("cpu", "auto", "tree", 0, "--batch-size must be >= 1"),
             ("cpu", "auto", "paths", 2, "--batch-size > 1 verifies each prompt's tree in one pass")):
         with pytest.raises(PipelineError, match=message):
-            run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
-                     tree_top_k=4, limit=1, device=device, dtype=dtype, tree_verify=verify, batch_size=batch)
+            run_eval(EvalOptions(drafter=trained, target=None, prompts=None, max_new_tokens=4, block_size=None,
+                                 tree_budget=[], tree_top_k=4, limit=1, device=device, dtype=dtype,
+                                 tree_verify=verify, batch_size=batch))
     if not torch.cuda.is_available():
         with pytest.raises(PipelineError, match="--device cuda: no CUDA device is available here"):
-            run_eval(trained, target=None, prompts=None, max_new_tokens=4, block_size=None, tree_budgets=[],
-                     tree_top_k=4, limit=1, device="cuda", dtype="auto")
+            run_eval(EvalOptions(drafter=trained, target=None, prompts=None, max_new_tokens=4, block_size=None,
+                                 tree_budget=[], tree_top_k=4, limit=1, device="cuda", dtype="auto"))
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -349,8 +352,8 @@ def test_odd_prompts_decode_losslessly(trained, tmp_path):
     path = tmp_path / "odd.jsonl"
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     # The tree pass named: auto would pick the paths on this small target, and the pass is what is checked.
-    result = run_eval(trained, target=None, prompts=path, max_new_tokens=20, block_size=None, tree_budgets=[16, 64],
-                      tree_top_k=8, limit=None, tree_verify="tree")
+    result = run_eval(EvalOptions(drafter=trained, target=None, prompts=path, max_new_tokens=20, block_size=None,
+                                  tree_budget=[16, 64], tree_top_k=8, limit=None, tree_verify="tree"))
     assert result["prompts"] == len(rows) >= 12
     assert result["lossless"], (result["block"]["mismatches"], {b: t["mismatches"] for b, t in result["tree"].items()})
     assert result["greedy"]["tokens"] > 4 * len(rows)  # most prompts decode more than a token or two
@@ -410,8 +413,8 @@ def test_eval_progress_is_plain_lines_in_a_log(trained, capsys):
     from pipeline.ui import ProgressBar
 
     with ProgressBar("eval", "prompts", total=4, enabled=True, every_percent=25, min_interval_s=0) as bar:
-        result = run_eval(trained, target=None, prompts=None, max_new_tokens=32, block_size=None, tree_budgets=[],
-                          tree_top_k=8, limit=4, progress=bar.advance)
+        result = run_eval(EvalOptions(drafter=trained, target=None, prompts=None, max_new_tokens=32, block_size=None,
+                                      tree_budget=[], tree_top_k=8, limit=4), progress=bar.advance)
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("eval: ")]
     assert [x.split()[1] for x in lines] == ["1/4", "2/4", "3/4", "4/4"], lines
     assert all("prompts/s" in x and "tok/s" in x and "block tau " in x for x in lines), lines
@@ -442,8 +445,8 @@ def test_eval_figures_reach_the_training_runs_tracker(trained, tmp_path):
 
     run = tmp_path / "run"
     shutil.copytree(trained, run)  # the module's run stays as it was for the other tests
-    result = run_eval(run, target=None, prompts=None, max_new_tokens=24, block_size=None, tree_budgets=[4],
-                      tree_top_k=4, limit=2, report_to="tensorboard")
+    result = run_eval(EvalOptions(drafter=run, target=None, prompts=None, max_new_tokens=24, block_size=None,
+                                  tree_budget=[4], tree_top_k=4, limit=2, report_to="tensorboard"))
     last_step = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])["step"]
     assert result["reported_to"] == {"trackers": ["tensorboard"], "at_step": last_step}
     events = EventAccumulator(str(run / "tensorboard"))
@@ -454,5 +457,5 @@ def test_eval_figures_reach_the_training_runs_tracker(trained, tmp_path):
     with pytest.raises(PipelineError, match="training run"):
         lone = tmp_path / "lone"
         shutil.copytree(run / "drafter", lone)
-        run_eval(lone, target=None, prompts=None, max_new_tokens=8, block_size=None, tree_budgets=[], tree_top_k=4,
-                 limit=1, report_to="tensorboard")
+        run_eval(EvalOptions(drafter=lone, target=None, prompts=None, max_new_tokens=8, block_size=None,
+                             tree_budget=[], tree_top_k=4, limit=1, report_to="tensorboard"))

@@ -12,7 +12,8 @@ from harness.runs import REPO, cli_here
 from pipeline.data.loss_mask import render
 from pipeline.errors import PipelineError
 from pipeline.speculative.groups import MISSING, TurnMarkers, turn_kind
-from stages.eval import run_eval
+from stages.eval.options import EvalOptions
+from stages.eval.run import run_eval
 
 FIXTURES = REPO.parent / "shared" / "fixtures"
 
@@ -56,8 +57,9 @@ def grouped(trained_run, heldout_rows, tmp_path_factory):
         row["category"] = "even" if i % 2 == 0 else "odd"
     path = tmp_path_factory.mktemp("groups") / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = run_eval(trained_run["run"], target=None, prompts=path, max_new_tokens=32, block_size=None,
-                      tree_budgets=[4], tree_top_k=4, limit=None, group_by="category")
+    result = run_eval(EvalOptions(drafter=trained_run["run"], target=None, prompts=path, max_new_tokens=32,
+                                  block_size=None, tree_budget=[4], tree_top_k=4, limit=None,
+                                  group_by="category"))
     return path, result
 
 
@@ -128,8 +130,8 @@ def test_the_report_shows_decoded_tau_by_kind(grouped, trained_run, tmp_path):
 def test_a_field_no_row_has_is_one_line(grouped, trained_run):
     path, _ = grouped
     with pytest.raises(PipelineError, match="--group-by source: no prompt row has this field .*category"):
-        run_eval(trained_run["run"], target=None, prompts=path, max_new_tokens=4, block_size=None,
-                 tree_budgets=[], tree_top_k=4, limit=None, group_by="source")
+        run_eval(EvalOptions(drafter=trained_run["run"], target=None, prompts=path, max_new_tokens=4, block_size=None,
+                             tree_budget=[], tree_top_k=4, limit=None, group_by="source"))
 
 
 def test_the_cli_prints_the_groups(grouped, trained_run):

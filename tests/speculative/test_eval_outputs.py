@@ -12,7 +12,8 @@ from pipeline.speculative.groups import KINDS
 from pipeline.speculative.sampling import Sampling
 from pipeline.target_model import end_of_turn_ids
 from pipeline.target_model.live import LiveTarget
-from stages.eval import run_eval
+from stages.eval.options import EvalOptions
+from stages.eval.run import run_eval
 
 PROMPTS, MAX_NEW = 4, 24
 
@@ -44,8 +45,9 @@ def greedy_eval(trained_run, tmp_path_factory):
         partial = path.with_name(path.name + ".partial")
         seen.append((len(lines_of(partial)), path.exists()))
 
-    result = run_eval(trained_run["run"], target=None, prompts=None, max_new_tokens=MAX_NEW, block_size=None,
-                      tree_budgets=[4], tree_top_k=4, limit=PROMPTS, batch_size=2, progress=progress, outputs=path)
+    result = run_eval(EvalOptions(drafter=trained_run["run"], target=None, prompts=None, max_new_tokens=MAX_NEW,
+                                  block_size=None, tree_budget=[4], tree_top_k=4, limit=PROMPTS,
+                                  batch_size=2, outputs=path), progress=progress)
     return {"result": result, "path": path, "lines": lines_of(path), "seen": seen}
 
 
@@ -86,8 +88,9 @@ def test_the_ids_are_plain_greedys_and_the_text_their_decode(greedy_eval, live, 
 
 def test_a_sampled_eval_writes_its_samples(trained_run, live, prompts, tokenizer, tmp_path):
     path = tmp_path / "sampled.jsonl"
-    result = run_eval(trained_run["run"], target=None, prompts=None, max_new_tokens=16, block_size=None,
-                      tree_budgets=[4], tree_top_k=4, limit=2, temperature=1.0, seed=5, outputs=path)
+    result = run_eval(EvalOptions(drafter=trained_run["run"], target=None, prompts=None, max_new_tokens=16,
+                                  block_size=None, tree_budget=[4], tree_top_k=4, limit=2,
+                                  temperature=1.0, seed=5, outputs=path))
     lines = lines_of(path)
     assert result["lossless"] is None and len(lines) == 2
     eos = end_of_turn_ids(tokenizer)
@@ -110,8 +113,8 @@ def test_a_failed_eval_leaves_whole_lines_in_the_partial_file_and_the_earlier_fi
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_eval(trained_run["run"], target=None, prompts=None, max_new_tokens=8, block_size=None, tree_budgets=[],
-                 tree_top_k=4, limit=2, progress=stop, outputs=path)
+        run_eval(EvalOptions(drafter=trained_run["run"], target=None, prompts=None, max_new_tokens=8, block_size=None,
+                             tree_budget=[], tree_top_k=4, limit=2, outputs=path), progress=stop)
     assert [line["prompt"] for line in lines_of(tmp_path / "o.jsonl.partial")] == [0]
     assert path.read_text() == "an earlier eval's\n"
 

@@ -13,7 +13,7 @@ from harness.runs import small_cache
 from pipeline.faults import LR_BLOWUP_STEP, PLANT_ENV
 from pipeline.records.train_log import LogLine
 from pipeline.report.live import LiveVerdicts
-from stages.train import resolve_config, run_train
+from stages.train.run import resolve_config, run_train
 
 VOCAB = 512
 

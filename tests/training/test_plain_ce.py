@@ -17,8 +17,8 @@ from pipeline.records.train_log import LogLine
 from pipeline.report.logs import GROUPS
 from pipeline.tracking import scalars
 from pipeline.training.loss import PLAIN_CE, supervised_loss
-from stages.report import run_report
-from stages.train import resolve_config, run_train
+from stages.report.run import run_report
+from stages.train.run import resolve_config, run_train
 
 V, H, A, B, K = 40, 12, 5, 6, 4
 

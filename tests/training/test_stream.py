@@ -18,7 +18,7 @@ from pipeline.training.stream import (
     read_ahead,
 )
 from pipeline.errors import PipelineError
-from stages.extract import run_extract
+from stages.extract.run import run_extract
 
 SIZES = {"shard-00000": 5, "shard-00001": 3, "shard-00002": 4}
 

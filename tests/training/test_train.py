@@ -25,7 +25,7 @@ from pipeline.errors import PipelineError
 from pipeline.target_model import read_target_facts
 from pipeline.drafter.geometry import drafter_config
 from pipeline.target_model import frozen_target_modules
-from stages.train import resolve_config, run_train
+from stages.train.run import resolve_config, run_train
 
 DESIGN_KEYS = {"step", "epoch", "loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4",
                "ddtree_streak8", "pos_acc", "lr", "grad_norm", "noise_std", "tok_per_sec", "elapsed_s"}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from harness.runs import cli_here
-from stages.train import resolve_config, run_train
+from stages.train.run import resolve_config, run_train
 
 
 def train(cache, out, **overrides):

@@ -10,8 +10,9 @@ import zarr
 from harness.caches import edit_record, resign
 from harness.runs import cli, cli_here, write_rows
 from pipeline.config import ExtractConfig
-from stages.extract import run_extract
-from stages.verify import run_verify
+from stages.extract.run import run_extract
+from stages.verify_cache.options import VerifyOptions
+from stages.verify_cache.run import run_verify
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_planted_fault_is_named(good, context, tmp_path, fault, plant, args, che
     shutil.copytree(good, cache)
     plant(cache, context)
     # In-process (the CLI's report is the same dict; test_good_cache_passes_everything runs the CLI).
-    report = run_verify(cache, recompute=int(args[1]) if args else 0)
+    report = run_verify(VerifyOptions(cache=cache, recompute=int(args[1]) if args else 0))
     assert not report["passed"], f"{fault}: verify passed"
     found = next(c for c in report["checks"] if c["check"] == check)
     text = found["summary"] + " " + json.dumps(found["evidence"])

@@ -14,8 +14,9 @@ from harness.runs import cli, cli_here, write_rows
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig, TrainConfig
 from pipeline.errors import PipelineError
-from stages.extract import run_extract
-from stages.verify import run_verify
+from stages.extract.run import run_extract
+from stages.verify_cache.options import VerifyOptions
+from stages.verify_cache.run import run_verify
 
 IM_START, IM_END = 497, 498   # the shipped tokenizer's ids (tests/verify/test_verify.py checks them)
 VICTIM_SHARD, VICTIM_ROW = "shard-00001", 3
@@ -105,7 +106,7 @@ def test_one_sample_fault_is_named(caches, tmp_path, fault, array, change, faili
     shutil.copytree(good, cache)
     rewrite(cache, array, from_early(early) if change == "early" else change)
     sid, _, _ = victim(cache)
-    report = run_verify(cache)  # in-process (the CLI path is the good-cache test below): default options
+    report = run_verify(VerifyOptions(cache=cache))  # in-process (the CLI path is the good-cache test below): default options
     assert not report["passed"], f"{fault}: verify passed"
     checks = {c["check"]: c for c in report["checks"]}
     assert checks["digests"]["status"] == "pass", "re-signed: only the content checks can see it"
@@ -164,7 +165,7 @@ def test_unknown_kernel_provenance_fails_verify_and_train(tmp_path, train_rows, 
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
     from pipeline.target_model.internals import LINEAR_ATTENTION_OPS
-    from stages.train import run_train
+    from stages.train.run import run_train
 
     for attr in LINEAR_ATTENTION_OPS:
         original = getattr(modeling, attr)
@@ -174,7 +175,7 @@ def test_unknown_kernel_provenance_fails_verify_and_train(tmp_path, train_rows, 
     monkeypatch.undo()
     manifest = manifest_json(tmp_path / "cache")
     assert {r["kernels"]["path"] for r in manifest["shards"].values()} == {"unknown"}
-    report = run_verify(tmp_path / "cache", tail_rate=0)
+    report = run_verify(VerifyOptions(cache=tmp_path / "cache", tail_rate=0))
     provenance = next(c for c in report["checks"] if c["check"] == "provenance")
     assert provenance["status"] == "fail" and "UNKNOWN" in provenance["summary"]
     with pytest.raises(PipelineError, match="kernel provenance unknown"):

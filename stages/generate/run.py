@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 from pipeline.data.conversations import index_rows, iter_rows, resolve_data
 from pipeline.cache.shard_plan import assign_to_groups, parse_shards, shard_rows
@@ -31,17 +30,19 @@ from pipeline.generate.regenerate import regenerate_rows, row_check
 from pipeline.generate.server import Server
 from pipeline.provenance import file_records
 from pipeline.target_model import load_tokenizer, resolve_target
+from stages.generate.options import GenerateOptions
 
 TURNS = ("all", "last")
 ROWS_PER_SHARD = 256   # the default shard count is ceil(rows / 256): the unit of resumption
 
 
-def run_generate(*, data: list[str], out: Path, target: str | None = None, server: str | None = None,
-                 model: str | None = None, concurrency: int = 8, shards: str | None = None,
-                 num_shards: int | None = None, turns: str = "all", max_new_tokens: int = 512,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 16,
-                 device: str = "auto", dtype: str = "auto", on_error: str = "fail", progress=None, on_total=None,
-                 warn=None) -> dict:
+def run_generate(options: GenerateOptions, *, progress=None, on_total=None, warn=None) -> dict:
+    """Regenerate the rows' assistant turns; `progress(rows, tokens=)` per shard, `on_total(rows)`
+    once the shards to write are known."""
+    o = options
+    data, out, target, server, turns, seed = o.data, o.out, o.target, o.server, o.turns, o.seed
+    max_new_tokens, temperature, top_p, batch_size = o.max_new_tokens, o.temperature, o.top_p, o.batch_size
+    concurrency, num_shards, on_error = o.concurrency, o.num_shards, o.on_error
     if turns not in TURNS:
         raise PipelineError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
     for ok, message in ((max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {max_new_tokens}"),
@@ -73,17 +74,17 @@ def run_generate(*, data: list[str], out: Path, target: str | None = None, serve
     num_shards = num_shards or math.ceil(num_rows / ROWS_PER_SHARD)
     sampling = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed, "turns": turns}
     if server is not None:
-        backend = Server(server, model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        backend = Server(server, o.model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          concurrency=concurrency, tokenizer=tokenizer)
     else:
-        backend = InProcess(target_dir, tokenizer, device=device, dtype=dtype,
+        backend = InProcess(target_dir, tokenizer, device=o.device, dtype=o.dtype,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
     generated_by = {**backend.identity, "sampling": sampling}
     parts = Parts(out)
     parts.start({"data": file_records(paths),
                  "num_rows": num_rows, "num_shards": num_shards, "generated_by": generated_by})
 
-    selected = parse_shards(shards, num_shards)
+    selected = parse_shards(o.shards, num_shards)
     mine = assign_to_groups(selected, world, rank)
     finished = parts.complete()     # a re-run of a finished output does nothing
     todo = [] if finished else [s for s in mine if parts.done(s) is None]

@@ -21,11 +21,13 @@ from pipeline.records.train_log import LOG_FILE
 from pipeline.records.verify_result import VerifyResult
 from pipeline.ui import ProgressBar, TrainView
 # `pipeline demo` composes the other stages through their entry points (the one stage that may).
-from stages.eval import run_eval
-from stages.extract import run_extract
-from stages.report import run_report
-from stages.train import resolve_config, run_train
-from stages.verify import run_verify
+from stages.eval.options import EvalOptions
+from stages.eval.run import run_eval
+from stages.extract.run import run_extract
+from stages.report.run import run_report
+from stages.train.run import resolve_config, run_train
+from stages.verify_cache.options import VerifyOptions
+from stages.verify_cache.run import run_verify
 
 # eval decodes 8 prompts per target pass (`eval --batch-size 8`), the variants and the greedy
 # reference alike: each prompt's drafts, accepted tokens and greedy tokens are the ones it gets
@@ -58,7 +60,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
 
     say("[2/5] verify-cache")
     start = time.perf_counter()
-    verified = run_verify(out / "cache", progress=progress)
+    verified = run_verify(VerifyOptions(cache=str(out / "cache")), progress=progress)
     timings["verify_s"] = time.perf_counter() - start
     failed = VerifyResult.from_json(verified).with_status("fail")
 
@@ -77,9 +79,8 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
         f"{', '.join(map(str, plan['budgets']))})")
     start = time.perf_counter()
     with ProgressBar("eval", "prompts", total=plan["prompts"] or 200, enabled=progress) as bar:
-        evaluated = run_eval(out / "run", target=None, prompts=None, max_new_tokens=96, block_size=None,
-                             tree_budgets=plan["budgets"], tree_top_k=8, limit=plan["prompts"], progress=bar.advance,
-                             batch_size=plan["eval_batch"])
+        evaluated = run_eval(EvalOptions(drafter=out / "run", tree_budget=plan["budgets"], limit=plan["prompts"],
+                                         batch_size=plan["eval_batch"]), progress=bar.advance)
     timings["eval_s"] = time.perf_counter() - start
     (out / "eval.json").write_text(json.dumps(evaluated, indent=2) + "\n")
 

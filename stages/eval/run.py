@@ -43,29 +43,28 @@ from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_t
 from pipeline.target_model.internals import takes_mask
 from pipeline.target_model.live import LiveTarget
 from pipeline.tracking import parse_report_to, report_eval, tracker_class
+from stages.eval.options import EvalOptions
 
 
-def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, max_new_tokens: int,
-             block_size: int | None, tree_budgets: list[int], tree_top_k: int, limit: int | None,
-             cache: Path | None = None, progress=None, device: str = "auto", dtype: str = "auto",
-             tree_verify: str = "auto", batch_size: int = 1, warn=None, report_to: list[str] | None = None,
-             on_total=None, group_by: str | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, outputs: Path | None = None) -> dict:
+def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -> dict:
     """Decode every prompt with each variant; `progress(n, tokens=, note=)` per batch of prompts,
     `on_total(prompts)` once they are read. tau is also reported per kind of turn and, with
     `group_by`, per value of that row field (pipeline/speculative/groups.py). `outputs`: a JSONL
     file of what each prompt decoded, streamed per batch of prompts (pipeline/speculative/outputs.py)."""
+    o = options
+    target, prompts, max_new_tokens, limit, cache, outputs = o.target, o.prompts, o.max_new_tokens, o.limit, o.cache, o.outputs
+    tree_budgets, tree_top_k, tree_verify, batch_size, group_by = o.tree_budget, o.tree_top_k, o.tree_verify, o.batch_size, o.group_by
     if outputs is not None:  # a path eval could not write is one line before any decoding
         check_outputs_path(Path(outputs))
-    device_, dtype_ = resolve_device(device, dtype)
-    sampling = sampling_of(temperature, top_p, top_k, seed)
+    device_, dtype_ = resolve_device(o.device, o.dtype)
+    sampling = sampling_of(o.temperature, o.top_p, o.top_k, o.seed)
     check_decoding_options(tree_verify, batch_size)
 
-    drafter_dir, recorded = resolve_drafter(drafter_path)
+    drafter_dir, recorded = resolve_drafter(o.drafter)
     # Opened first: a cache that cannot be used (shards of another identity among them) is one
     # line before any decoding, not after it.
     cache_reader = open_cache(cache) if cache is not None else None
-    report_to = parse_report_to(report_to)
+    report_to = parse_report_to(o.report_to)
     for name in report_to:  # a missing extra or a drafter without its run: one line before any decoding
         tracker_class(name).check_installed()
     if report_to and not (drafter_dir.parent / LOG_FILE).is_file():
@@ -83,7 +82,7 @@ def run_eval(drafter_path: Path, *, target: Path | None, prompts: Path | None, m
         raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
                             f"{c.target_layer_ids}) does not fit target {target_dir} (hidden {facts.hidden_size}, "
                             f"vocab {facts.vocab_size}, {facts.num_hidden_layers} layers)")
-    block = block_size or c.block_size
+    block = o.block_size or c.block_size
     if not 2 <= block <= c.block_size:
         raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
     if any(b < 1 for b in tree_budgets):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import resource
 import time
-from pathlib import Path
 
 from pipeline.verify.bounded_reads import sound_shards
 from pipeline.verify.check_report import Check
@@ -29,11 +28,13 @@ from pipeline.errors import PipelineError
 from pipeline.records.verify_result import VerifyResult
 from pipeline.target_model import load_target, load_tokenizer, recorded_in_cache, resolve_target
 from pipeline.ui import ProgressBar
+from stages.verify_cache.options import VerifyOptions
 
 
-def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path | None = None, recompute: int = 0,
-               tail_rate: float = 1.0, sample_rate: float = 1.0, seed: int = 0, device: str = "auto",
-               dtype: str = "auto", progress: bool = False) -> dict:
+def run_verify(options: VerifyOptions, *, progress: bool = False) -> dict:
+    """Every check of the cache, in order; the checks that need the target run where it is known."""
+    o = options
+    shards, target, recompute, tail_rate, sample_rate, seed = o.shards, o.target, o.recompute, o.tail_rate, o.sample_rate, o.seed
     start = time.perf_counter()
     if not 0.0 < sample_rate <= 1.0:
         raise PipelineError(f"--sample-rate must be in (0, 1], got {sample_rate}")
@@ -41,8 +42,8 @@ def run_verify(cache_dir: str | Path, *, shards: str | None = None, target: Path
         raise PipelineError(f"--tail-rate must be in [0, 1], got {tail_rate}")
     if recompute < 0:
         raise PipelineError(f"--recompute must be >= 0, got {recompute}")
-    placement = resolve_device(device, dtype)
-    location = open_location(cache_dir)
+    placement = resolve_device(o.device, o.dtype)
+    location = open_location(o.cache)
     location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     try:
         reader = CacheReader(location, foreign="report")  # shards of another identity: named by check_provenance

@@ -1,0 +1,14 @@
+"""`pipeline cache-info`'s options, each declared once: the field is the flag, its default and its help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import int_list, option
+from stages.options import JsonOutput
+
+
+@dataclass(kw_only=True)
+class CacheInfoOptions(JsonOutput):
+    cache: str = option(argument=True, help="Cache: a directory, file://PATH or s3://BUCKET/PREFIX.")
+    draft_vocab: list[int] | None = option(None, parse=int_list, help="Also read the labels and report the coverage of a draft vocabulary of each K, comma-separated (e.g. 32768,65536), as `pipeline train --draft-vocab K` would choose it.")

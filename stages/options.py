@@ -1,0 +1,30 @@
+"""Option blocks several commands share, declared once: a command's options dataclass inherits the
+blocks it takes (`class EvalOptions(Device, Seeded, JsonOutput)`), so `--device` means and says the
+same in every command that has it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import option
+
+
+@dataclass(kw_only=True)
+class JsonOutput:
+    json_out: bool = option(False, flag="--json", help="Print one JSON document on stdout instead of tables.")
+
+
+@dataclass(kw_only=True)
+class Device:
+    device: str = option("auto", help="'auto' (the GPU when there is one), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: str = option("auto", help="Model dtype: 'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'.")
+
+
+@dataclass(kw_only=True)
+class Seeded:
+    seed: int = option(0, help="Seed of the command's random choices: the same seed, the same result (the command's help says what it draws).")
+
+
+@dataclass(kw_only=True)
+class ShardSelection:
+    shards: str | None = option(None, help="Only these shards, e.g. '0-63' or '3,5,8-11' (default: all).")
