@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from manifests import load_preset  # noqa: E402
+from presets import load_preset  # noqa: E402
 from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.training.stream import EpochOrder  # noqa: E402

@@ -87,7 +87,7 @@ FLOORS = [
     ("independent", ["pipeline.drafter"]),
     ("independent", ["pipeline.cache", "pipeline.data"]),
     ("independent", ["pipeline.target_model"]),
-    ("independent", ["pipeline.config", "pipeline.provenance", "manifests"]),
+    ("independent", ["pipeline.config", "pipeline.provenance", "presets"]),
     ("independent", ["pipeline.tracking"]),
     ("independent", ["pipeline.report"]),
     ("independent", ["pipeline.ui"]),
@@ -105,7 +105,7 @@ def module_name(path: Path) -> str:
 
 
 def library_modules() -> dict[str, Path]:
-    paths = sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "manifests").glob("*.py"))
+    paths = sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "presets").glob("*.py"))
     return {module_name(p): p for p in paths}
 
 

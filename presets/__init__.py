@@ -1,6 +1,6 @@
 """Presets (target facts + drafter recipe) as TOML files, and the cache/checkpoint schema versions.
 
-A preset is data, not code: `manifests/presets/NAME.toml`. Consumers read the taps from the
+A preset is data, not code: `presets/NAME.toml` (this folder). Consumers read the taps from the
 preset (and later from the cache manifest), never recompute them silently.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS_DIR = Path(__file__).resolve().parent
 
 
 def preset_names() -> list[str]:
