@@ -9,7 +9,7 @@ The weights are random (seeded), so its predictions mean nothing; what is real i
 lm_head (Qwen3.6-27B's 248,320 rows) and the architecture class. Nothing is downloaded: the
 tokenizer and template are local files. `--flagship-layers N` builds Qwen3.6-27B's own config
 (every width as the checkpoint has it) cut to N layers: the flagship dress rehearsal's target
-(benchmarks/rehearsal.py).
+(benchmarks/flagship/rehearsal.py).
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def kit_offenders(root: Path) -> list[str]:
     found = [f"{p.relative_to(root).as_posix()}:{line} imports {module}"
              for p in package for line, module, _ in imports(p) if top(module) in test_modules | {"harness"}]
     found += [f"{p.relative_to(root).as_posix()}:{line} imports the test module {module}"
-              for p in sorted((root / "benchmarks").glob("*.py")) + sorted((root / "harness").glob("*.py"))
+              for p in sorted((root / "benchmarks").rglob("*.py")) + sorted((root / "harness").glob("*.py"))
               for line, module, _ in imports(p) if top(module) in test_modules]
     return found
 
