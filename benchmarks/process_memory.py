@@ -1,5 +1,5 @@
 """Peak memory of a process tree, sampled from /proc: for benchmarks whose stages are subprocesses
-(benchmarks/rehearsal.py, benchmarks/real_vocab.py). Linux only."""
+(benchmarks/flagship/rehearsal.py, benchmarks/flagship/real_vocab.py). Linux only."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 Prints the table and writes it (table.md, results.json) to --out (default benchmark-results/).
 
 1. Extraction overhead: extract tokens/s / bare target forward tokens/s on the same batches
-   (benchmarks/extract_overhead.py; a random Qwen3_5ForCausalLM big enough that a batch takes
+   (benchmarks/cache/extract_overhead.py; a random Qwen3_5ForCausalLM big enough that a batch takes
    >= 50 ms here). Goal >= 0.95.
 2. Storage: bytes per token on the embedded target, bf16 and fp8, hidden vs raw bf16, top-k
    share; extrapolated to 1 B tokens of Qwen3.6-27B (5 taps x 5120), assuming the same hidden
@@ -14,7 +14,7 @@ Prints the table and writes it (table.md, results.json) to --out (default benchm
    sequential over shards and in the trainer's shuffled sample order, against the same bytes
    from an uncompressed in-memory array (the ceiling); cores needed for 1.3 GB/s.
 4. Train step: from the cache stream vs the same batches in memory (goal >= 0.95), batched
-   anchors vs a per-anchor loop (benchmarks/train_throughput.py), and the step's model FLOP/s
+   anchors vs a per-anchor loop (benchmarks/training/train_throughput.py), and the step's model FLOP/s
    against this CPU's measured float32 matmul FLOP/s.
 5. Scaling: extract and train time at 1x, 2x, 4x the data; the reader's peak memory while
    streaming caches of 1x, 2x, 4x the size (separate processes).
@@ -40,10 +40,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
-import extract_overhead as eo  # noqa: E402
-import train_throughput as tt  # noqa: E402
+from benchmarks.cache import extract_overhead as eo  # noqa: E402
+from benchmarks.training import train_throughput as tt  # noqa: E402
 
 from pipeline.cache.reader import CacheReader  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402

@@ -162,13 +162,13 @@ def parse_size(text) -> int | None:
 @dataclass(kw_only=True)
 class TrainConfig:
     """Drafter training. Defaults are DESIGN's (block 16, 512 anchors, gamma by block size); a
-    preset (`manifests/presets/NAME.toml`, [drafter] table) supplies a whole recipe."""
+    preset (`presets/NAME.toml`, [drafter] table) supplies a whole recipe."""
     cache: str = option("dflash-cache", help="Cache written by `pipeline extract`: a directory, file://PATH or s3://BUCKET/PREFIX (default ./dflash-cache).")
     out: str = option("dflash-run", help="Run directory: checkpoints/, train_log.jsonl, drafter/ (default ./dflash-run).")
     # None: the target the cache manifest records.
     target: str | None = option(None, help="Target directory for the frozen embedding and lm_head (default: the one the cache records).")
     # None: the preset whose [target] matches the cache, if any.
-    preset: str | None = option(None, help="Recipe from manifests/presets ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")
+    preset: str | None = option(None, help="Recipe from presets/ ('tiny', 'qwen3.6-27b'); default: the one matching the cache's target.")
     # Drafter architecture.
     num_hidden_layers: int = option(5, help="Drafter decoder layers.")
     block_size: int = option(16, help="Draft block size B.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from manifests import load_preset, preset_names
+from presets import load_preset, preset_names
 from pipeline.cache.manifest import Manifest, read_manifest
 from pipeline.errors import PipelineError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from manifests import load_preset, preset_names
+from presets import load_preset, preset_names
 from pipeline.cache.reader import CacheReader
 from pipeline.config import TrainConfig
 from pipeline.drafter.config import DrafterConfig

@@ -128,7 +128,7 @@ def suffix_attention(block_pos_BQ):
 
 
 # Queries per piece of `split_block_attention` (8 anchors of 16, 16 of 8): the fastest or tied
-# on 2 CPU cores at each shape of benchmarks/attention_pieces.py (the demo's drafter at 250 and
+# on 2 CPU cores at each shape of benchmarks/training/attention_pieces.py (the demo's drafter at 250 and
 # 2,048 tokens, hidden 1024 at 2,048 tokens x 512 anchors; BENCHMARKS "The newcomer's hour").
 PIECE_QUERIES = 128
 

@@ -4,7 +4,7 @@ width (emoji, CJK, right-to-left, combining marks), text that spells the chat te
 tokens, and a multi-turn conversation whose earlier turns look like tool calls and reasoning.
 
 `odd_conversations()` returns rows in the `messages` format `pipeline eval --prompts` reads;
-`python benchmarks/odd_prompts.py --out FILE` writes them as JSONL.
+`python benchmarks/decoding/odd_prompts.py --out FILE` writes them as JSONL.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and it is the source of the target's own prediction.
 
 from __future__ import annotations
 
-from manifests import load_preset
+from presets import load_preset
 from pipeline.config import EMBEDDED
 from pipeline.errors import PipelineError
 

@@ -9,7 +9,7 @@ The weights are random (seeded), so its predictions mean nothing; what is real i
 lm_head (Qwen3.6-27B's 248,320 rows) and the architecture class. Nothing is downloaded: the
 tokenizer and template are local files. `--flagship-layers N` builds Qwen3.6-27B's own config
 (every width as the checkpoint has it) cut to N layers: the flagship dress rehearsal's target
-(benchmarks/rehearsal.py).
+(benchmarks/flagship/rehearsal.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ QWEN3_6_VOCAB_SIZE = 248320   # Qwen3.6-27B's config.json: the embedding padded 
 #   eos 248044 in the text config);
 # - THUDM/slime's scripts/models/qwen3.5-27B.sh (the same widths for Megatron: 24 heads, 4 query
 #   groups, kv channels 256, ffn 17408, rotary percent 0.25, rotary base 1e7, untied, vocab 248320).
-# manifests/presets/qwen3.6-27b.toml states the same target facts (tests/target_model/test_flagship_config.py).
+# presets/qwen3.6-27b.toml states the same target facts (tests/target_model/test_flagship_config.py).
 QWEN3_6_27B_TEXT_CONFIG = {
     "architectures": ["Qwen3_5ForCausalLM"],
     "attention_bias": False,

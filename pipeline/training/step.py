@@ -54,10 +54,10 @@ class StepRunner:
     """One optimizer step over a rank's share of the global batch, in micro-batches."""
 
     # The path before issue 17 (full [queries, V] logits, then the loss): the reference that
-    # benchmarks/loss_path.py measures the chunked loss against. Training never sets it.
+    # benchmarks/training/loss_path.py measures the chunked loss against. Training never sets it.
     full_logits = False
     # Micro-batches in the stream's order, `--micro-batch-sequences` at a time (before issue 59):
-    # the reference that benchmarks/micro_batches.py measures the cut by size against. Training never
+    # the reference that benchmarks/training/micro_batches.py measures the cut by size against. Training never
     # sets it.
     stream_order = False
 

@@ -48,7 +48,7 @@ def draft_vocab_coverage(cache: str, sizes: list[int]) -> dict:
 def _mask_id(cache: str, target) -> int:
     """The mask id train would use by default (the matching preset's, else its default token), -1
     when it cannot be resolved (then the mask token counts as reserved: one slot)."""
-    from manifests import load_preset
+    from presets import load_preset
     from pipeline.config import TrainConfig
     from pipeline.drafter.compat import match_preset
     from pipeline.drafter.geometry import mask_token_id

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from manifests import load_preset
+from presets import load_preset
 from pipeline.allocator import keep_freed_buffers_mapped
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted((REPO / "benchmarks").glob("*.py"))
+SCRIPTS = sorted((REPO / "benchmarks").rglob("*.py"))  # grouped in folders by what they measure
 
 
 def options_without_help(path: Path, source: str) -> tuple[int, list[str]]:
@@ -27,7 +27,7 @@ def options_without_help(path: Path, source: str) -> tuple[int, list[str]]:
 
 
 def test_every_benchmark_option_has_help():
-    assert SCRIPTS, "no benchmarks/*.py found"
+    assert SCRIPTS, "no benchmarks/**/*.py found"
     total, missing = 0, []
     for path in SCRIPTS:
         calls, lacking = options_without_help(path, path.read_text(encoding="utf-8"))
@@ -46,9 +46,9 @@ def test_the_scan_catches_a_missing_or_empty_help():
 
 
 @pytest.mark.parametrize("script, args, option", [
-    ("speculative_speed.py", ["--layers", "4"], "--layers"),      # taps fixed at [1, 3, 5]: was an IndexError
-    ("draft_step.py", ["--contexts", "128,abc"], "--contexts"),   # was a ValueError from int()
-    ("odd_prompts.py", ["--out", "{missing}/odd.jsonl"], "--out"),  # was a FileNotFoundError from write_text
+    ("decoding/speculative_speed.py", ["--layers", "4"], "--layers"),      # taps fixed at [1, 3, 5]: was an IndexError
+    ("decoding/draft_step.py", ["--contexts", "128,abc"], "--contexts"),   # was a ValueError from int()
+    ("decoding/odd_prompts.py", ["--out", "{missing}/odd.jsonl"], "--out"),  # was a FileNotFoundError from write_text
 ])
 def test_a_bad_value_ends_in_one_error_line(tmp_path, script, args, option):
     args = [a.format(missing=tmp_path / "no-such-folder") for a in args]
@@ -57,5 +57,5 @@ def test_a_bad_value_ends_in_one_error_line(tmp_path, script, args, option):
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith(f"{script}: error: {option}"), done.stderr
+    assert len(errors) == 1 and errors[0].startswith(f"{Path(script).name}: error: {option}"), done.stderr
     assert "usage: " in done.stderr, done.stderr

@@ -1,4 +1,4 @@
-"""`python benchmarks/gpu_check.py --smoke`: the first-GPU-hour script's every section runs at toy
+"""`python benchmarks/gpu/gpu_check.py --smoke`: the first-GPU-hour script's every section runs at toy
 sizes on the CPU and lands in one JSON summary; what a CPU cannot have (fla, causal-conv1d, the
 flagship-width target) is one line, never a crash."""
 
@@ -14,7 +14,7 @@ SECTIONS = ("extract", "kernels", "equality", "flagship_steps", "draft_vocab_ste
 
 def test_smoke_runs_every_section_into_one_summary(tmp_path):
     out = tmp_path / "gpu_check.json"
-    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(out)], cwd=REPO,
+    run = subprocess.run([sys.executable, "benchmarks/gpu/gpu_check.py", "--smoke", "--out", str(out)], cwd=REPO,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -100,7 +100,7 @@ FLOORS = [
     ("independent", ["pipeline.drafter"]),
     ("independent", ["pipeline.cache", "pipeline.data"]),
     ("independent", ["pipeline.target_model"]),
-    ("independent", ["pipeline.config", "pipeline.provenance", "manifests"]),
+    ("independent", ["pipeline.config", "pipeline.provenance", "presets"]),
     ("independent", ["pipeline.tracking"]),
     ("independent", ["pipeline.report"]),
     ("independent", ["pipeline.ui"]),
@@ -118,7 +118,7 @@ def module_name(path: Path) -> str:
 
 
 def library_modules() -> dict[str, Path]:
-    paths = sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "manifests").glob("*.py"))
+    paths = sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "presets").glob("*.py"))
     return {module_name(p): p for p in paths}
 
 
@@ -234,7 +234,7 @@ def kit_offenders(root: Path) -> list[str]:
     found = [f"{p.relative_to(root).as_posix()}:{line} imports {module}"
              for p in package for line, module, _ in imports(p) if top(module) in test_modules | {"harness"}]
     found += [f"{p.relative_to(root).as_posix()}:{line} imports the test module {module}"
-              for p in sorted((root / "benchmarks").glob("*.py")) + sorted((root / "harness").glob("*.py"))
+              for p in sorted((root / "benchmarks").rglob("*.py")) + sorted((root / "harness").glob("*.py"))
               for line, module, _ in imports(p) if top(module) in test_modules]
     return found
 

@@ -1,4 +1,4 @@
-"""The flagship dress rehearsal, small (issue 40): benchmarks/rehearsal.py end to end at Qwen3.6-27B's
+"""The flagship dress rehearsal, small (issue 40): benchmarks/flagship/rehearsal.py end to end at Qwen3.6-27B's
 real widths with 8 layers and 2 agent sessions (about 570 and 800 tokens), two training ranks.
 Opt-in (DFLASH_SLOW=1): over an hour on 2 cores (on 2026-12-04, beside other test runs, it was still at
 verify-cache fp8 after 60 minutes: target 130 s, extract tp 1 575 s, verify-cache bf16 about 11 minutes),
@@ -26,7 +26,7 @@ TABLE = "rehearsal-stages.md"
 @pytest.mark.skipif(os.environ.get("DFLASH_SLOW") != "1", reason="the flagship rehearsal (over an hour, 20 GB); DFLASH_SLOW=1")
 def test_every_stage_flows_at_the_flagship_widths(tmp_path, capsys):
     table = tmp_path / TABLE
-    done = subprocess.run([sys.executable, "benchmarks/rehearsal.py", "--rows", "2", "--longest", "800",
+    done = subprocess.run([sys.executable, "benchmarks/flagship/rehearsal.py", "--rows", "2", "--longest", "800",
                            "--train-ranks", "2", "--work", str(tmp_path / "work"), "--table", str(table)],
                           cwd=REPO, capture_output=True, text=True, timeout=3 * 3600)
     with capsys.disabled():   # shown on success too: the times are what a passing run is run for

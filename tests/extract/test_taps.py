@@ -1,6 +1,6 @@
 import pytest
 
-from manifests import load_preset, preset_names
+from presets import load_preset, preset_names
 from pipeline.errors import PipelineError
 from pipeline.target_model.taps import default_taps, hidden_state_indices, validate_taps
 

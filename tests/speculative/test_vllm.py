@@ -4,7 +4,7 @@ The rule `generate --server` follows when a server refuses tools under the defau
 (vLLM without `--enable-auto-tool-choice`) is tested against a real HTTP server on 127.0.0.1
 that answers as vLLM does: cheap, in the default suite.
 
-The rest is opt-in (DFLASH_VLLM=1): benchmarks/serve_vllm.py end to end on the embedded target:
+The rest is opt-in (DFLASH_VLLM=1): benchmarks/serving/serve_vllm.py end to end on the embedded target:
 vLLM's CPU build in its own venv (about 90 s of download and 3.5 GB the first time;
 DFLASH_VLLM_VENV names a venv the benchmark built, to reuse it), generation through vLLM with
 its parsers on and off, and the exported drafter served as vLLM's DFlash speculative model, with
@@ -123,7 +123,7 @@ def test_vllm_serves_the_target_and_the_exported_drafter(tmp_path):
     demo = subprocess.run([sys.executable, "cli.py", "demo", "--quick", "--json", "--out", str(tmp_path / "demo")],
                           cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert demo.returncode == 0, demo.stderr[-3000:]
-    done = subprocess.run([sys.executable, "benchmarks/serve_vllm.py", "--work", str(work), "--venv", venv,
+    done = subprocess.run([sys.executable, "benchmarks/serving/serve_vllm.py", "--work", str(work), "--venv", venv,
                            "--rows", "12", "--max-new-tokens", "160", "--drafter", str(tmp_path / "demo" / "run" / "drafter")],
                           cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -147,7 +147,7 @@ def test_vllm_serves_the_target_and_the_exported_drafter(tmp_path):
                               "--draft-vocab", "256", "--max-steps", "40", "--json"], cwd=REPO, capture_output=True, text=True,
                              timeout=1800)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    served = subprocess.run([sys.executable, "benchmarks/serve_vllm.py", "--work", str(tmp_path / "work-dv"), "--venv", venv,
+    served = subprocess.run([sys.executable, "benchmarks/serving/serve_vllm.py", "--work", str(tmp_path / "work-dv"), "--venv", venv,
                              "--rows", "12", "--max-new-tokens", "160", "--skip", "generate", "--drafter", str(run / "drafter")],
                             cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert served.returncode == 0, (served.stdout + served.stderr)[-4000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from manifests import load_preset
+from presets import load_preset
 from pipeline.target_model import read_target_facts
 from pipeline.target_model.taps import default_taps
 from pipeline.toy.random_target import QWEN3_6_27B_TEXT_CONFIG, build_flagship_target, flagship_config
