@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.drafter.blocks import block_mask
 from pipeline.drafter.model import (DFlashDrafter, DrafterConfig, dense_attention, flex_attention,
                                     split_block_attention)
+from pipeline.training.blocks import block_mask
 
 B = 4
 WINDOWS = [None, 3, 6, 11, 40]

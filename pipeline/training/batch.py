@@ -20,7 +20,7 @@ import torch
 
 from pipeline.cache.schema import HIDDEN
 from pipeline.drafter.vocab import DraftVocab
-from pipeline.drafter.blocks import (
+from pipeline.training.blocks import (
     block_mask,
     block_soft_targets,
     block_targets,
