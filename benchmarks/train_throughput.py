@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.drafter.model import DFlashDrafter
-from pipeline.training.blocks import weighted_ce
+from pipeline.training.objectives import weighted_ce
 from pipeline.training.stream import ACCELERATOR_READ_AHEAD, SampleStream, StreamState
 from pipeline.target_model import read_target_facts, recorded_in_cache, resolve_target
 from stages.extract import run_extract

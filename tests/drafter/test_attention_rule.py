@@ -18,9 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.drafter.model import (DFlashDrafter, DrafterConfig, dense_attention, flex_attention,
+from pipeline.drafter.model import (DFlashDrafter, DrafterConfig, block_mask, dense_attention, flex_attention,
                                     split_block_attention)
-from pipeline.training.blocks import block_mask
 
 B = 4
 WINDOWS = [None, 3, 6, 11, 40]
