@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.drafter.batch import anchor_generator, pack, prepare
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.training.batch import anchor_generator, pack, prepare
 
 H, V, B, TAPS, K = 48, 301, 8, 3, 6
 

@@ -81,9 +81,9 @@ def one_step(k: int, layers: int, anchors: int) -> dict:
     import numpy as np
     import torch
 
-    from pipeline.drafter.batch import final_hidden, pack, prepare
-    from pipeline.drafter.metrics import hit_sums
+    from pipeline.training.batch import final_hidden, pack, prepare
     from pipeline.training.loss import supervised_loss
+    from pipeline.training.metrics import hit_sums
 
     drafter = flagship_drafter(layers, k)
     rng = np.random.default_rng(0)

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pipeline.drafter.model as drafter_model  # noqa: E402
-from pipeline.drafter.batch import SequenceBlocks, final_hidden, pack  # noqa: E402
-from pipeline.drafter.blocks import block_targets, block_tokens  # noqa: E402
+from pipeline.training.batch import SequenceBlocks, final_hidden, pack  # noqa: E402
+from pipeline.training.blocks import block_targets, block_tokens  # noqa: E402
 from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 

@@ -92,7 +92,7 @@ from torch import nn
 
 from peers_impls import CONFIGS, GemmFloor, Ours, OursAt, SpecForge, Speculators, build_batch, build_ours  # puts the repo on sys.path
 from pipeline.allocator import keep_freed_buffers_mapped
-from pipeline.drafter.batch import final_hidden
+from pipeline.training.batch import final_hidden
 from pipeline.training.loss import supervised_loss
 
 # Round ratios further apart than this (largest over smallest) print no headline ratio: the

@@ -48,10 +48,10 @@ def one(path: str, anchors: int, layers: int) -> dict:
     import numpy as np
     import torch
 
-    from pipeline.drafter.batch import final_hidden, forward_logits, loss_sum, pack, prepare
+    from pipeline.training.batch import final_hidden, forward_logits, loss_sum, pack, prepare
     from pipeline.training.loss import supervised_loss
-    from pipeline.drafter.metrics import hit_sums, metric_sums
     from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+    from pipeline.training.metrics import hit_sums, metric_sums
 
     torch.manual_seed(0)
     config = DrafterConfig(hidden_size=HIDDEN, intermediate_size=17408, num_hidden_layers=layers, num_attention_heads=32,

@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
-from pipeline.drafter.blocks import weighted_ce
 from pipeline.drafter.model import DFlashDrafter
+from pipeline.training.objectives import weighted_ce
 from pipeline.training.stream import ACCELERATOR_READ_AHEAD, SampleStream, StreamState
 from pipeline.target_model import read_target_facts, recorded_in_cache, resolve_target
 from stages.extract.run import run_extract
-from pipeline.drafter.geometry import drafter_config
+from pipeline.training.geometry import drafter_config
 from pipeline.training.plan import make_plan
 from pipeline.training.step import StepRunner
 from pipeline.target_model import frozen_target_modules

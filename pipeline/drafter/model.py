@@ -89,6 +89,18 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
+def block_mask(anchors_SA: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """allowed [S, A*B, T + A*B]: block j of sequence s sees context positions < anchors[s, j]
+    (strictly: at inference the anchor has no target hidden state yet) and its own B slots,
+    never another block. Built where the anchors live (on the GPU in training), so the mask is
+    never shipped. A padding block (anchor 0) sees only itself: no all-False row, no NaN."""
+    s, a = anchors_SA.shape
+    owner = torch.arange(a * block_size, device=anchors_SA.device) // block_size
+    sees_context = torch.arange(context_len, device=anchors_SA.device)[None, None, :] < anchors_SA[:, owner][..., None]
+    sees_block = (owner[:, None] == owner[None, :]).expand(s, -1, -1)
+    return torch.cat([sees_context, sees_block], dim=-1)
+
+
 def window_mask(query_pos_BQ: torch.Tensor, key_pos_BK: torch.Tensor, window: int) -> torch.Tensor:
     """[B, Q, K]: key visible to a sliding layer's query iff query_pos - window < key_pos <= query_pos."""
     q, k = query_pos_BQ[..., :, None], key_pos_BK[..., None, :]

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from pipeline.cache.reader import CacheReader
-from pipeline.drafter.batch import anchor_generator, forward_logits, pack, prepare
-from pipeline.drafter.metrics import add_sums, finish_metrics, metric_sums
+from pipeline.training.batch import anchor_generator, forward_logits, pack, prepare
 from pipeline.errors import PipelineError
+from pipeline.training.metrics import add_sums, finish_metrics, metric_sums
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """How a rank's share of a step is cut into micro-batches: sequences of like size together.
 
-A micro-batch is one padded forward (pipeline/drafter/batch.py: `pack`): every sequence in it is
+A micro-batch is one padded forward (pipeline/training/batch.py: `pack`): every sequence in it is
 padded to its longest context and its most anchors, and padded queries cost as much as real ones.
 Taking the sequences in the stream's order, a short turn next to a long one paid for the long one:
 on the embedded kit's conversations half the queries of an 8-sequence micro-batch were padding, and
@@ -35,7 +35,7 @@ class Sizes:
 
     @classmethod
     def of(cls, seq) -> "Sizes":
-        """Of a prepared sequence (pipeline/drafter/batch.py: `SequenceBlocks`)."""
+        """Of a prepared sequence (pipeline/training/batch.py: `SequenceBlocks`)."""
         return cls(anchors=seq.labels.shape[0], tokens=seq.num_tokens)
 
 

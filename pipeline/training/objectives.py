@@ -104,3 +104,20 @@ def term_rows(logq: torch.Tensor, p: torch.Tensor, terms: dict[str, float]):
         a += terms["lk"] * (lam * soft.sum(-1) + (1 - lam) * d_tv_a)
         b += terms["lk"] * (lam[:, None] * soft + (1 - lam)[:, None] * d_tv_b)
     return values, a, b
+
+
+# ce and kl from full logits [A, B, V] (batch.py's `loss_sum`): the reference the chunked loss
+# (loss.py) is checked against.
+def weighted_ce(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: torch.Tensor) -> torch.Tensor:
+    """sum(ce * w) / sum(w) (DESIGN 3.4)."""
+    ce = torch.nn.functional.cross_entropy(logits_ABV.flatten(0, 1).float(), labels_AB.flatten(), reduction="none")
+    total = weights_AB.sum()
+    return (ce * weights_AB.flatten()).sum() / total.clamp_min(1e-12)
+
+
+def weighted_soft_kl(logits_ABV, soft_ids_ABK, soft_probs_ABK, weights_AB) -> torch.Tensor:
+    """sum(KL(p || q) * w) / sum(w), p the renormalised target top-k, q the drafter's softmax."""
+    logq = torch.log_softmax(logits_ABV.float(), dim=-1).gather(-1, soft_ids_ABK)
+    p = soft_probs_ABK
+    kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
+    return (kl * weights_AB).sum() / weights_AB.sum().clamp_min(1e-12)

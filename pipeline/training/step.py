@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import TrainConfig, parse_loss
-from pipeline.drafter.batch import (
+from pipeline.training.batch import (
     anchor_generator,
     final_hidden,
     forward_logits,
@@ -24,11 +24,11 @@ from pipeline.drafter.batch import (
     placeholder,
     prepare,
 )
-from pipeline.drafter.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
 from pipeline.training.loss import PLAIN_CE, supervised_loss
+from pipeline.training.metrics import add_sums, finish_metrics, hit_sums, metric_sums
 from pipeline.training.micro_batches import Sizes, cut, per_query_work
 from pipeline.training.objectives import needs_distribution
 

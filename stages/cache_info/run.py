@@ -50,10 +50,10 @@ def _mask_id(cache: str, target) -> int:
     when it cannot be resolved (then the mask token counts as reserved: one slot)."""
     from presets import load_preset
     from pipeline.config import TrainConfig
-    from pipeline.drafter.compat import match_preset
-    from pipeline.drafter.geometry import mask_token_id
+    from pipeline.training.compat import match_preset
     from pipeline.errors import PipelineError
     from pipeline.target_model import read_target_facts
+    from pipeline.training.geometry import mask_token_id
 
     try:
         name = match_preset(cache)

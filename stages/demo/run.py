@@ -14,11 +14,11 @@ from pathlib import Path
 from pipeline.files import write_json_atomic
 from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
-from pipeline.drafter.blocks import default_gamma
 from pipeline.embedded import TRAIN_DATA
 from pipeline.records.eval_result import EvalResult, flat, variants_in
 from pipeline.records.train_log import LOG_FILE
 from pipeline.records.verify_result import VerifyResult
+from pipeline.training.blocks import default_gamma
 from pipeline.ui import ProgressBar, TrainView
 # `pipeline demo` composes the other stages through their entry points (the one stage that may).
 from stages.eval.options import EvalOptions

@@ -29,10 +29,7 @@ from pipeline.cache.reader import open_cache
 from pipeline.config import TrainConfig, load_config, read_config_file
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
-from pipeline.drafter.blocks import default_gamma
-from pipeline.drafter.compat import check_compatible, kernel_paths, match_preset
 from pipeline.drafter.export import export_drafter
-from pipeline.drafter.geometry import check_mask_absent, drafter_config
 from pipeline.drafter.model import DFlashDrafter, attention_path
 from pipeline.errors import PipelineError
 from pipeline.records.run import RunRecord, write_run_record
@@ -48,8 +45,11 @@ from pipeline.target_model import (
     resolve_target,
 )
 from pipeline.tracking import Trackers, open_trackers, tracker_class
+from pipeline.training.blocks import default_gamma
 from pipeline.training.checkpoint import cache_identity, resume_position
+from pipeline.training.compat import check_compatible, kernel_paths, match_preset
 from pipeline.training.draft_vocab import choose_draft_vocab
+from pipeline.training.geometry import check_mask_absent, drafter_config
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
 from pipeline.training.objectives import describe_slot_weights

@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.drafter.blocks import block_mask
-from pipeline.drafter.model import (DFlashDrafter, DrafterConfig, dense_attention, flex_attention,
+from pipeline.drafter.model import (DFlashDrafter, DrafterConfig, block_mask, dense_attention, flex_attention,
                                     split_block_attention)
 
 B = 4

@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
-from pipeline.drafter.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
-                                     valid_anchors, weighted_ce)
-from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.training.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
+                                      valid_anchors)
+from pipeline.training.metrics import block_metrics
+from pipeline.training.objectives import weighted_ce
 
 H, V, B = 32, 50, 4
 

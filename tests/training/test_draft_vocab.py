@@ -18,13 +18,13 @@ from harness.loss_batches import B, V, batch, drafter
 from harness.draft_vocab import with_draft_vocab
 from harness.runs import REPO
 from pipeline.cache.reader import open_cache
-from pipeline.drafter.batch import final_hidden, forward_logits
 from pipeline.drafter.export import export_drafter, load_drafter
-from pipeline.drafter.metrics import finish_metrics, hit_sums
+from pipeline.training.batch import final_hidden, forward_logits
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.errors import PipelineError
 from pipeline.training.draft_vocab import choose, choose_draft_vocab, count_labels, coverage, reserved_ids
 from pipeline.training.loss import supervised_loss
+from pipeline.training.metrics import finish_metrics, hit_sums
 
 QWEN_TOKENIZER = REPO.parent / "shared" / "fixtures" / "tokenizers" / "qwen3.6"
 

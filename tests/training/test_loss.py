@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from harness.loss_batches import B, H, V, batch, drafter
-from pipeline.drafter.batch import final_hidden, forward_logits, loss_sum
+from pipeline.training.batch import final_hidden, forward_logits, loss_sum
 from pipeline.training.loss import supervised_loss
-from pipeline.drafter.metrics import hit_sums, metric_sums
+from pipeline.training.metrics import hit_sums, metric_sums
 
 def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -70,7 +70,7 @@ def test_no_vocabulary_sized_tensor_is_kept_for_backward():
 def test_split_block_attention_equals_the_dense_mask_including_padding_blocks():
     """Every query's output (padding blocks too) from the anchors alone equals SDPA with the dense
     [Q, T+Q] mask, in fp32."""
-    from pipeline.drafter.blocks import block_mask
+    from pipeline.drafter.model import block_mask
 
     packed = batch(False, lengths=(57, 90, 8))
     assert bool((~packed.real_blocks).any())  # the pack has padding blocks (anchor 0)
@@ -90,8 +90,7 @@ def test_split_attention_in_pieces_equals_sdpa_with_the_mask(piece_anchors):
     the dense mask, padding blocks included."""
     import torch.nn.functional as F
 
-    from pipeline.drafter.blocks import block_mask
-    from pipeline.drafter.model import split_block_attention
+    from pipeline.drafter.model import block_mask, split_block_attention
 
     torch.manual_seed(0)
     s, h, t, d, a = 2, 3, 20, 8, 5

@@ -13,7 +13,7 @@ import torch
 
 from harness import loss_batches as lb
 from pipeline.config import TrainConfig
-from pipeline.drafter.batch import anchor_generator, prepare
+from pipeline.training.batch import anchor_generator, prepare
 from pipeline.training.micro_batches import Sizes, cut
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner

@@ -16,15 +16,15 @@ from harness.caches import edit_record, manifest_json, resign
 from harness.marks import needs_tmpfs
 from harness.runs import REPO, cli, cli_here, file_size_limit, in_namespace, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
-from pipeline.drafter.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
+from pipeline.training.batch import anchor_generator, forward_logits, loss_sum, pack, prepare
 from pipeline.training.checkpoint import list_checkpoints
 from pipeline.drafter.export import load_drafter
-from pipeline.drafter.metrics import block_metrics
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.errors import PipelineError
 from pipeline.target_model import read_target_facts
-from pipeline.drafter.geometry import drafter_config
 from pipeline.target_model import frozen_target_modules
+from pipeline.training.geometry import drafter_config
+from pipeline.training.metrics import block_metrics
 from stages.train.run import resolve_config, run_train
 
 DESIGN_KEYS = {"step", "epoch", "loss", "accuracy", "top4_acc", "top8_acc", "avg_streak", "ddtree_streak4",

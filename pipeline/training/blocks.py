@@ -1,4 +1,5 @@
-"""Anchors, block inputs, the attention mask and the loss targets (DESIGN 3.3, 3.4).
+"""Anchors, block inputs and the loss targets (DESIGN 3.3, 3.4); the attention mask the blocks
+get is the drafter's own rule (pipeline/drafter/model.py: `block_mask`).
 
 For a sequence of length T and sorted anchors a_1..a_A, the drafter sees A blocks of B slots:
 slot 0 holds the anchor token input_ids[a], slots 1..B-1 the mask token, at positions a..a+B-1.
@@ -10,6 +11,8 @@ the loss.
 from __future__ import annotations
 
 import torch
+
+from pipeline.drafter.model import block_mask
 
 
 def valid_anchors(loss_mask_T: torch.Tensor) -> torch.Tensor:
@@ -42,18 +45,6 @@ def block_inputs(input_ids_T: torch.Tensor, anchors_A: torch.Tensor, block_size:
     return block_ids, block_pos, block_mask(anchors_A[None], input_ids_T.shape[0], block_size)[0]
 
 
-def block_mask(anchors_SA: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """allowed [S, A*B, T + A*B]: block j of sequence s sees context positions < anchors[s, j]
-    (strictly: at inference the anchor has no target hidden state yet) and its own B slots,
-    never another block. Built where the anchors live (on the GPU in training), so the mask is
-    never shipped. A padding block (anchor 0) sees only itself: no all-False row, no NaN."""
-    s, a = anchors_SA.shape
-    owner = torch.arange(a * block_size, device=anchors_SA.device) // block_size
-    sees_context = torch.arange(context_len, device=anchors_SA.device)[None, None, :] < anchors_SA[:, owner][..., None]
-    sees_block = (owner[:, None] == owner[None, :]).expand(s, -1, -1)
-    return torch.cat([sees_context, sees_block], dim=-1)
-
-
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_k for slots 0..B-1: 0 for slot 0, exp(-(k-1)/gamma) after."""
     k = torch.arange(block_size, dtype=torch.float32)
@@ -81,13 +72,6 @@ def default_gamma(block_size: int) -> float:
     return table.get(block_size, table[min(table, key=lambda b: abs(b - block_size))])
 
 
-def weighted_ce(logits_ABV: torch.Tensor, labels_AB: torch.Tensor, weights_AB: torch.Tensor) -> torch.Tensor:
-    """sum(ce * w) / sum(w) (DESIGN 3.4)."""
-    ce = torch.nn.functional.cross_entropy(logits_ABV.flatten(0, 1).float(), labels_AB.flatten(), reduction="none")
-    total = weights_AB.sum()
-    return (ce * weights_AB.flatten()).sum() / total.clamp_min(1e-12)
-
-
 def block_soft_targets(topk_ids_TK, topk_logits_TK, logsumexp_T, anchors_A, block_size: int):
     """(ids [A, B, K], probs [A, B, K]): the target's top-k distribution for each slot's position.
 
@@ -99,11 +83,3 @@ def block_soft_targets(topk_ids_TK, topk_logits_TK, logsumexp_T, anchors_A, bloc
     source = (anchors_A[:, None] + torch.arange(block_size)[None] - 1).clamp(0, t - 1)
     logp = topk_logits_TK[source].float() - logsumexp_T[source].float()[..., None]
     return topk_ids_TK[source].long(), torch.softmax(logp, dim=-1)
-
-
-def weighted_soft_kl(logits_ABV, soft_ids_ABK, soft_probs_ABK, weights_AB) -> torch.Tensor:
-    """sum(KL(p || q) * w) / sum(w), p the renormalised target top-k, q the drafter's softmax."""
-    logq = torch.log_softmax(logits_ABV.float(), dim=-1).gather(-1, soft_ids_ABK)
-    p = soft_probs_ABK
-    kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
-    return (kl * weights_AB).sum() / weights_AB.sum().clamp_min(1e-12)

@@ -19,16 +19,10 @@ import numpy as np
 import torch
 
 from pipeline.cache.schema import HIDDEN
+from pipeline.drafter.model import block_mask
 from pipeline.drafter.vocab import DraftVocab
-from pipeline.drafter.blocks import (
-    block_mask,
-    block_soft_targets,
-    block_targets,
-    block_tokens,
-    sample_anchors,
-    weighted_ce,
-    weighted_soft_kl,
-)
+from pipeline.training.blocks import block_soft_targets, block_targets, block_tokens, sample_anchors
+from pipeline.training.objectives import weighted_ce, weighted_soft_kl
 
 
 @dataclass
