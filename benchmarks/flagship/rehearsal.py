@@ -59,7 +59,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.process_memory import ProcessMemory  # noqa: E402
 from pipeline.machine import describe_machine, machine_line  # noqa: E402
-from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
+from pipeline.records.run_dir import RunDir  # noqa: E402
+from pipeline.records.train_log import read_train_log  # noqa: E402
 from pipeline.records.verify_result import VerifyResult  # noqa: E402
 
 STEPS = 6
@@ -311,7 +312,7 @@ def main() -> None:
             segments.append(json.loads((moved / "run.json").read_text()))
         r.run("train resumed on 1 rank to the end", pipeline(*train, "--out", str(moved)))
         segments.append(json.loads((moved / "run.json").read_text()))
-        one_log, moved_log = ([line.to_json() for line in read_train_log(work / run / LOG_FILE)]
+        one_log, moved_log = ([line.to_json() for line in read_train_log(RunDir(work / run).train_log)]
                               for run in ("run-one", "run-moved"))
         pairs = list(zip(one_log, moved_log, strict=True))
         summary["stage_two"] = {

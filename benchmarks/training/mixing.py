@@ -26,7 +26,8 @@ from presets import load_preset  # noqa: E402
 from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.training.stream import EpochOrder  # noqa: E402
-from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
+from pipeline.records.run_dir import RunDir  # noqa: E402
+from pipeline.records.train_log import read_train_log  # noqa: E402
 
 
 def distinct_per_batch(sizes: dict[str, int], batch: int, mix: int) -> list[int]:
@@ -53,7 +54,7 @@ def curve(steps=(100, 300, 750)) -> dict:
             cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(run), "max_steps": max(steps),
                                                        "log_every": 50, "mix_shards": mix})
             run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
-            log = {line.step: line for line in read_train_log(run / LOG_FILE)}
+            log = {line.step: line for line in read_train_log(RunDir(run).train_log)}
             out[f"mix_shards={mix}"] = {s: {"accuracy": round(log[s].accuracy, 4), "avg_streak": round(log[s].avg_streak, 3)}
                                         for s in steps}
     return out

@@ -25,7 +25,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
+from pipeline.records.run_dir import RunDir  # noqa: E402
+from pipeline.records.train_log import read_train_log  # noqa: E402
 
 VARIANTS = {   # name: (loss, position_weight)
     "ce + decay (today)": ("ce", "decay"),
@@ -69,7 +70,7 @@ def run_cell(work: Path, block: int, variant: str, seed: int, steps: int, prompt
                                                "block_size": block, "loss": loss, "position_weight": weight,
                                                "seed": seed, "log_every": 10})
     trained = run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
-    lines = [line.to_json() for line in read_train_log(out / LOG_FILE)]
+    lines = [line.to_json() for line in read_train_log(RunDir(out).train_log)]
     evals = {}
     for mode, sampling in (("greedy", {}), ("sampled", SAMPLED)):
         t0 = time.perf_counter()

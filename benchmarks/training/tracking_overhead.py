@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(HERE))
 
 from benchmarks.cli_args import at_least_one  # noqa: E402
-from pipeline.records.train_log import LOG_FILE, read_train_log  # noqa: E402
+from pipeline.records.run_dir import RunDir  # noqa: E402
+from pipeline.records.train_log import read_train_log  # noqa: E402
 
 ALL = "tensorboard,wandb,mlflow,trackio"
 
@@ -42,7 +43,7 @@ def one_run(cache: Path, out: Path, *, steps: int, log_every: int, report_to: st
     t0 = time.perf_counter()
     run_train(cfg, preset_target=preset, warn=lambda *_: None)
     total = time.perf_counter() - t0
-    log = [line.to_json() for line in read_train_log(out / LOG_FILE)]
+    log = [line.to_json() for line in read_train_log(RunDir(out).train_log)]
     first, last = log[0], log[-1]
     # Each step trains the same tokens in both arms (same data, seed and anchors), so the ratio of
     # steps/s is the ratio of tokens/s.
@@ -102,7 +103,7 @@ def main() -> None:
                            "with_steps_per_s": with_all["steps_per_s"],
                            "ratio": with_all["steps_per_s"] / without["steps_per_s"],
                            "with_wall_s": with_all["wall_s"], "without_wall_s": without["wall_s"]})
-        costs = per_log_cost(root, read_train_log(root / "tracked-0" / LOG_FILE)[-1].to_json())
+        costs = per_log_cost(root, read_train_log(RunDir(root / "tracked-0").train_log)[-1].to_json())
     ratio = statistics.median(x["with_steps_per_s"] for x in rounds) / statistics.median(x["without_steps_per_s"] for x in rounds)
     result = {"steps": args.steps, "log_every": args.log_every, "trackers": ALL, "rounds": rounds,
               "ratio_of_medians": ratio, "per_log_line": costs}

@@ -11,9 +11,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.files import write_json_atomic
-
-RUN_FILE = "run.json"
-
+from pipeline.records.run_dir import RunDir
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -43,7 +41,7 @@ class RunRecord:
 
 
 def write_run_record(run_dir: Path, record: RunRecord) -> Path:
-    path = Path(run_dir) / RUN_FILE
+    path = RunDir(run_dir).run_record
     write_json_atomic(path, dataclasses.asdict(record))
     return path
 
@@ -53,7 +51,7 @@ def read_run_record(path: Path) -> RunRecord:
     what is wrong. Fields a newer pipeline added are optional, so older runs still read."""
     path = Path(path)
     if path.is_dir():
-        path = path / RUN_FILE
+        path = RunDir(path).run_record
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:

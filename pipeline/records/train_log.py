@@ -18,7 +18,6 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 
-LOG_FILE = "train_log.jsonl"
 TERM_PREFIX = "loss_"     # each term of a composite objective is logged as loss_<term>
 
 

@@ -7,18 +7,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-VERDICTS_FILE = "verdicts.jsonl"
-
+from pipeline.records.run_dir import RunDir
 
 def append_verdict(run_dir: Path, verdict: dict) -> None:
-    with open(Path(run_dir) / VERDICTS_FILE, "a", encoding="utf-8") as f:
+    with open(RunDir(run_dir).verdicts, "a", encoding="utf-8") as f:
         f.write(json.dumps(verdict) + "\n")
 
 
 def read_verdicts(run_dir: Path) -> list[dict]:
     """The fired verdicts in order; [] when none fired. A torn last line (a run killed mid-write)
     is left out."""
-    path = Path(run_dir) / VERDICTS_FILE
+    path = RunDir(run_dir).verdicts
     if not path.exists():
         return []
     found = []

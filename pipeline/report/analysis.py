@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from pipeline.errors import PipelineError
-from pipeline.records.run import RUN_FILE, read_run_record
+from pipeline.records.run import read_run_record
+from pipeline.records.run_dir import RunDir
 from pipeline.report.logs import CLIFF_FLOOR, DIRECTION, QUALITY, Run
 from pipeline.report.stats import anomalies, cliffs, compare, extrapolate, window
 
@@ -33,7 +34,7 @@ def _checkpoint_steps(run: Run, every: int | None) -> list[float]:
 def _final_step(run: Run, epochs: float | None) -> float:
     if epochs and run.steps_per_epoch:
         return epochs * run.steps_per_epoch
-    recorded = run.path.parent / RUN_FILE
+    recorded = RunDir.holding(run.path).run_record
     if recorded.is_file():
         try:
             return float(read_run_record(recorded).total_steps)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.records.run import RUN_FILE, read_run_record
-from pipeline.records.train_log import LOG_FILE, LogLine, last_step, read_train_log
+from pipeline.records.run import read_run_record
+from pipeline.records.run_dir import RunDir
+from pipeline.records.train_log import LogLine, last_step, read_train_log
 
 # Metric -> which direction is better (+1 higher, -1 lower, 0 neither).
 DIRECTION = {"loss": -1, "ce": -1, "accuracy": 1, "top4_acc": 1, "top8_acc": 1, "avg_streak": 1, "ddtree_streak4": 1,
@@ -61,19 +62,19 @@ def read_run(path: Path, steps_per_epoch: float | None = None) -> Run:
     if steps_per_epoch is None:
         found = [r.steps_per_epoch for r in records if isinstance(r.steps_per_epoch, (int, float))]
         steps_per_epoch = float(found[-1]) if found else None
-    return Run(path.parent.name if path.name == LOG_FILE else path.stem, path, records, steps_per_epoch)
+    return Run(path.parent.name if path == RunDir.holding(path).train_log else path.stem, path, records, steps_per_epoch)
 
 
 def log_path(path: Path) -> Path:
     path = Path(path)
-    return path / LOG_FILE if path.is_dir() else path
+    return RunDir(path).train_log if path.is_dir() else path
 
 
 def run_finished(log: Path) -> bool:
     """A run is over when its log reached the plan's last step (run.json beside the log)."""
     log = log_path(log)
     try:
-        total = read_run_record(log.parent / RUN_FILE).total_steps
+        total = read_run_record(RunDir.holding(log).run_record).total_steps
         last = last_step(log)
         return last is not None and last >= total
     except (OSError, PipelineError, KeyError, TypeError, ValueError):
@@ -84,6 +85,6 @@ def draft_vocab_of(log: Path) -> dict | None:
     """The draft vocabulary the run beside `log` trained with (run.json's record), None without one
     or without a readable run.json."""
     try:
-        return read_run_record(log_path(log).parent / RUN_FILE).draft_vocab
+        return read_run_record(RunDir.holding(log_path(log)).run_record).draft_vocab
     except PipelineError:
         return None

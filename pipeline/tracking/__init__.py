@@ -24,13 +24,12 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.records.eval_result import EvalResult, flat
+from pipeline.records.run_dir import RunDir
 
 # Each tracker: its name (that of its optional extra too) -> its class in backends.py. A new tracker
 # is a class there and a line here; the options' help texts list these names.
 TRACKERS = {"tensorboard": "TensorBoard", "wandb": "WandB", "mlflow": "MLflow", "trackio": "Trackio"}
 SCALAR_PREFIX = "train/"
-# Written beside the run so a resumed run continues the same tracker runs.
-IDS_FILE = "trackers.json"
 
 
 def parse_report_to(value: str | list[str] | None) -> list[str]:
@@ -136,7 +135,7 @@ def open_trackers(names: list[str], *, run_dir: Path, run_name: str, params: dic
         tracker_class(name).check_installed()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ids_path = run_dir / IDS_FILE
+    ids_path = RunDir(run_dir).tracker_ids  # so a resumed run continues the same tracker runs
     try:
         ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
     except (OSError, json.JSONDecodeError):
@@ -176,10 +175,9 @@ def eval_figures(result: EvalResult) -> dict[str, float]:
 def report_eval(names: list[str], *, run_dir: Path, result: EvalResult, warn=None) -> int:
     """Send an eval's figures to the training run's trackers (the same tracker runs, continued
     from RUN/trackers.json), at the training's last logged step; returns that step."""
-    from pipeline.records.train_log import LOG_FILE
     from pipeline.report.logs import read_run
 
-    step = int(read_run(Path(run_dir) / LOG_FILE).last_step)
+    step = int(read_run(RunDir(run_dir).train_log).last_step)
     trackers = open_trackers(names, run_dir=Path(run_dir), run_name=Path(run_dir).resolve().name, params={},
                              start_step=step, warn=warn)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from pipeline.errors import PipelineError
+from pipeline.records.run_dir import RunDir
 
 
 @contextlib.contextmanager
@@ -59,7 +60,7 @@ class TensorBoard(_Backend):
     def __init__(self, *, run_dir: Path, run_name: str, params: dict, start_step: int, previous_id: str | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.dir = Path(run_dir) / "tensorboard"
+        self.dir = RunDir(run_dir).tensorboard
         # Flushed by the writer's thread every 5 s (a flush per log line cost ~0.5 ms each).
         self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=start_step + 1 if start_step else None,
                                     flush_secs=5)
@@ -103,7 +104,7 @@ class MLflow(_Backend):
         self.flushed_at = time.monotonic()
         run_dir = Path(run_dir).resolve()
         own_store = not os.environ.get("MLFLOW_TRACKING_URI")
-        self.uri = f"sqlite:///{run_dir / 'mlflow.db'}" if own_store else os.environ["MLFLOW_TRACKING_URI"]
+        self.uri = f"sqlite:///{RunDir(run_dir).mlflow_store}" if own_store else os.environ["MLFLOW_TRACKING_URI"]
         with _quiet():  # MLflow logs its schema migrations to stdout-bound handlers
             self.client = MlflowClient(tracking_uri=self.uri)
             if previous_id:
@@ -113,7 +114,7 @@ class MLflow(_Backend):
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash")
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                name, artifact_location=(run_dir / "mlartifacts").as_uri() if own_store else None)
+                name, artifact_location=RunDir(run_dir).mlflow_artifacts.as_uri() if own_store else None)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         # MLflow caps a parameter value's length; longer values are cut with a marker.
         text = {k: str(v) for k, v in params.items()}

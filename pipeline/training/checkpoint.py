@@ -1,6 +1,6 @@
-"""Training checkpoints: the drafter (DESIGN 8 export), optimizer, RNG and data position.
+"""Training checkpoints: the drafter (DESIGN 8 export), optimizer, RNG and data position, each in
+RUN/checkpoints/step-N (the layout: pipeline/records/run_dir.py).
 
-Layout: RUN/checkpoints/step-00000500/{drafter/, optimizer.pt, rng.pt, trainer_state.json}.
 A checkpoint is written under a hidden temporary name, fsynced, then renamed: a directory named
 `step-N` is complete by construction, so a crash mid-write leaves only a temporary that resume
 ignores and the next save removes. Loading unpickles nothing: JSON, safetensors, and
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import resource
 import shutil
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from pipeline.training.plan import gathered_state
 from pipeline.training.step import all_sum
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
+from pipeline.records.run_dir import CheckpointDir, RunDir
 
 # Options that may change between a checkpoint and its resume without changing the result
 # (bookkeeping, paths, and how the same global batch is split over ranks and micro-batches).
@@ -35,30 +35,27 @@ RESUMABLE_CHANGES = {"out", "cache", "cache_local", "cache_local_size", "target"
                      "report_to", "verdict_every"}
 
 STATE_VERSION = 1
-_NAME = re.compile(r"^step-(\d{8})$")
-
-
-def checkpoint_dir(run: Path) -> Path:
-    return run / "checkpoints"
 
 
 def save_checkpoint(run: Path, *, step: int, drafter, optimizer_state: dict, state: dict, keep: int) -> Path:
     """`optimizer_state`: the whole state (plan.gathered_state), as plain AdamW's state_dict()."""
-    root = checkpoint_dir(run)
+    run_dir = RunDir(run)
+    root = run_dir.checkpoints
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step-*.tmp*"):
+    for stale in run_dir.checkpoint_temporaries():
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    final = run_dir.checkpoint(step)
+    tmp = run_dir.checkpoint_temporary(step, os.getpid())
+    written = CheckpointDir(tmp)
     try:
         tmp.mkdir()
-        export_drafter(drafter, tmp / "drafter")
-        torch.save(optimizer_state, tmp / "optimizer.pt")
+        export_drafter(drafter, written.drafter)
+        torch.save(optimizer_state, written.optimizer)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"version": STATE_VERSION, "step": step, **state}, indent=2) + "\n")
+        torch.save(rng, written.rng)
+        written.trainer_state.write_text(json.dumps({"version": STATE_VERSION, "step": step, **state}, indent=2) + "\n")
         failpoint("checkpoint.written")
         fsync_tree(tmp)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
@@ -85,24 +82,25 @@ def save_checkpoint(run: Path, *, step: int, drafter, optimizer_state: dict, sta
 
 def list_checkpoints(run: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporaries are never listed)."""
-    root = checkpoint_dir(run)
+    root = RunDir(run).checkpoints
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    found = [p for p in root.iterdir() if p.is_dir() and RunDir.checkpoint_step(p) is not None]
+    return sorted(found, key=RunDir.checkpoint_step)
 
 
 def read_state(path: Path) -> dict:
+    state_file = CheckpointDir(path).trainer_state
     try:
-        state = json.loads((path / "trainer_state.json").read_text())
+        state = json.loads(state_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise PipelineError(f"{path}/trainer_state.json: unreadable ({e})") from None
+        raise PipelineError(f"{state_file}: unreadable ({e})") from None
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        raise PipelineError(f"{path}/trainer_state.json: unknown trainer state version {state.get('version')!r} "
+        raise PipelineError(f"{state_file}: unknown trainer state version {state.get('version')!r} "
                             f"(this tool reads version {STATE_VERSION})")
     for key in ("step", "epoch", "position", "config"):
         if key not in state:
-            raise PipelineError(f"{path}/trainer_state.json: missing field {key!r}")
+            raise PipelineError(f"{state_file}: missing field {key!r}")
     return state
 
 
@@ -110,28 +108,29 @@ def load_checkpoint(path: Path, *, drafter, optimizer) -> None:
     """Restore drafter, optimizer and RNG in place (the trainer state is `read_state`'s)."""
     from safetensors.torch import load_file
 
-    saved = read_config(path / "drafter")
+    saved_dir = CheckpointDir(path)
+    saved = read_config(saved_dir.drafter)
     if saved != drafter.config:
-        raise PipelineError(f"{path}/drafter/config.json: the checkpoint's drafter does not match this run's config")
+        raise PipelineError(f"{saved_dir.drafter}/config.json: the checkpoint's drafter does not match this run's config")
     try:
-        weights = load_file(str(path / "drafter" / "model.safetensors"))
+        weights = load_file(str(saved_dir.drafter / "model.safetensors"))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
-        raise PipelineError(f"{path}/drafter/model.safetensors: unreadable ({e}); delete this checkpoint "
+        raise PipelineError(f"{saved_dir.drafter}/model.safetensors: unreadable ({e}); delete this checkpoint "
                             "to resume from the one before it") from None
-    weights, vocab, _ = split_head(weights, path / "drafter", drafter.config.vocab_size)
+    weights, vocab, _ = split_head(weights, saved_dir.drafter, drafter.config.vocab_size)
     if vocab != drafter.draft_vocab:  # part of the run's identity (DESIGN 3.4)
-        raise PipelineError(f"{path}/drafter: the checkpoint's draft vocabulary ({vocab or 'none'}) is not this run's "
+        raise PipelineError(f"{saved_dir.drafter}: the checkpoint's draft vocabulary ({vocab or 'none'}) is not this run's "
                             f"({drafter.draft_vocab or 'none'}); use the same options and cache, or a new --out")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     if {k: tuple(v.shape) for k, v in weights.items()} != expected:
-        raise PipelineError(f"{path}/drafter/model.safetensors: names or shapes differ from this run's drafter")
+        raise PipelineError(f"{saved_dir.drafter}/model.safetensors: names or shapes differ from this run's drafter")
     drafter.load_state_dict(weights)
     try:
         # Mapped, not read: with several ranks each keeps only the state of the parameters it
         # owns (ZeroRedundancyOptimizer), so the rest is never paged in; the optimizer moves
         # what it keeps to its parameters' device.
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True))
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        optimizer.load_state_dict(torch.load(saved_dir.optimizer, map_location="cpu", mmap=True, weights_only=True))
+        rng = torch.load(saved_dir.rng, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable or unsafe file is a clear user error
         raise PipelineError(f"{path}: optimizer or RNG state unreadable ({type(e).__name__}: {e})") from None
     torch.set_rng_state(rng["cpu"])

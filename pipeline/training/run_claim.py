@@ -46,9 +46,8 @@ from pathlib import Path
 from pipeline.distributed import local_rank
 from pipeline.errors import PipelineError
 from pipeline.files import FileLock, describe_os_error, write_json_atomic
+from pipeline.records.run_dir import RunDir
 
-OWNER_FILE = "owner.json"
-LOCK_FILE = ".owner.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0
 
@@ -123,7 +122,7 @@ class RunClaim:
 
     @property
     def path(self) -> Path:
-        return self.out / OWNER_FILE
+        return RunDir(self.out).owner
 
     def _ours(self) -> bool:
         found = _read_record(self.path)
@@ -151,8 +150,8 @@ class RunClaim:
         if self._created:  # a run that failed before writing anything leaves no directory behind
             self._created = False
             try:
-                if [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
-                    (self.out / LOCK_FILE).unlink()
+                if [p.name for p in self.out.iterdir()] == [RunDir(self.out).owner_lock.name]:
+                    RunDir(self.out).owner_lock.unlink()
                     self.out.rmdir()
             except OSError:
                 pass  # another run has just claimed it: the directory is theirs now
@@ -197,7 +196,7 @@ def _stale_because(record: dict | str, age_s: float) -> str | None:
 
 def _refusal(out: Path, record: dict | str, age_s: float) -> PipelineError:
     if isinstance(record, str):
-        who = f"{out / OWNER_FILE} is unreadable ({record})"
+        who = f"{RunDir(out).owner} is unreadable ({record})"
     else:
         who = f"in use by another training run ({_holder(record)})"
     wait = ""
@@ -210,12 +209,12 @@ def take(out: Path, warn) -> RunClaim:
     """Claim `out` for this process, or raise one line naming who holds it (module docstring)."""
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    lock: FileLock | None = FileLock(out / LOCK_FILE)
+    lock: FileLock | None = FileLock(RunDir(out).owner_lock)
     try:
         if not lock.acquire(blocking=False):
             lock = None
-            record = _read_record(out / OWNER_FILE)
-            raise _refusal(out, record or "being written", _age(out / OWNER_FILE))
+            owner = RunDir(out).owner
+            raise _refusal(out, _read_record(owner) or "being written", _age(owner))
     except OSError:  # no working flock on this mount (ENOLCK, EOPNOTSUPP): the record decides alone
         lock = None
     try:
@@ -234,14 +233,14 @@ def _age(path: Path) -> float:
 
 
 def _claim(out: Path, lock: FileLock | None, created: bool, warn) -> RunClaim:
-    path = out / OWNER_FILE
+    path = RunDir(out).owner
     found = _read_record(path)
     if found is not None:
         age = _age(path)
         reason = _stale_because(found, age)
         if reason is None:
             raise _refusal(out, found, age)
-        holder = _holder(found) if isinstance(found, dict) else f"an unreadable {OWNER_FILE}"
+        holder = _holder(found) if isinstance(found, dict) else f"an unreadable {path.name}"
         warn(f"{out}: taking over a stale claim ({holder}): {reason}")
     job, restart = _job()
     record = {**_machine(), "pid": os.getpid(), "process_start": _start_ticks(os.getpid()), "since": _now_utc(),

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.provenance import weight_digests
-from pipeline.records.run import RUN_FILE, read_run_record
+from pipeline.records.run import read_run_record
+from pipeline.records.run_dir import RunDir
 from pipeline.target_model import RecordedTarget, read_target_facts
 
 
@@ -36,11 +37,11 @@ def target_mismatch(target_dir: Path, run: Path) -> str | None:
 def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
     """(drafter export dir, the target its training run recorded): accepts RUN/ or RUN/drafter/."""
     path = Path(path)
-    if (path / "drafter" / "config.json").is_file():
-        path = path / "drafter"
+    if (RunDir(path).drafter / "config.json").is_file():
+        path = RunDir(path).drafter
     if not (path / "config.json").is_file():
         raise PipelineError(f"{path}: not a drafter export (no config.json); pass the run directory or its drafter/")
-    run = path.parent / RUN_FILE
+    run = RunDir.holding(path).run_record
     recorded = None
     if run.is_file():
         record = read_run_record(run)

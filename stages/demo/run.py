@@ -16,7 +16,7 @@ from pipeline.cache.manifest import read_manifest
 from pipeline.config import ExtractConfig
 from pipeline.embedded import TRAIN_DATA
 from pipeline.records.eval_result import EvalResult, flat, variants_in
-from pipeline.records.train_log import LOG_FILE
+from pipeline.records.run_dir import RunDir
 from pipeline.records.verify_result import VerifyResult
 from pipeline.training.blocks import default_gamma
 from pipeline.ui import ProgressBar, TrainView
@@ -102,7 +102,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
         "verify": {"passed": verified["passed"], "failed_checks": failed},
         "train": {"steps": trained["steps"], "block_size": cfg.block_size, **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
                                                                            "ddtree_streak8")},
-                  "drafter": trained["drafter"], "log": str(out / "run" / LOG_FILE)},
+                  "drafter": trained["drafter"], "log": str(RunDir(out / "run").train_log)},
         "eval": {"prompts": ev.prompts, "lossless": ev.lossless,
                  **flat(blocks, "tau_mean_of_means"), **flat(ev.variants.items(), "tau_pooled"),
                  "block_speedup_vs_greedy_cpu": blocks[0][1]["speedup_vs_greedy"], "eval_batch_size": ev.batch_size,

@@ -26,7 +26,7 @@ from pipeline.data.prompts import read_prompts
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
 from pipeline.records.eval_result import EvalResult, reference_key, variants_of
-from pipeline.records.train_log import LOG_FILE
+from pipeline.records.run_dir import RunDir
 from pipeline.training.run_record import resolve_drafter, target_mismatch
 from pipeline.speculative.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
@@ -67,7 +67,7 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
     report_to = parse_report_to(o.report_to)
     for name in report_to:  # a missing extra or a drafter without its run: one line before any decoding
         tracker_class(name).check_installed()
-    if report_to and not (drafter_dir.parent / LOG_FILE).is_file():
+    if report_to and not RunDir.holding(drafter_dir).train_log.is_file():
         raise PipelineError(f"{drafter_dir}: --report-to needs the drafter's training run (RUN/train_log.jsonl beside it)")
     target_dir = resolve_target(target, recorded)
     facts = read_target_facts(target_dir)

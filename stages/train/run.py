@@ -33,8 +33,8 @@ from pipeline.drafter.export import export_drafter
 from pipeline.drafter.model import DFlashDrafter, attention_path
 from pipeline.errors import PipelineError
 from pipeline.records.run import RunRecord, write_run_record
-from pipeline.records.train_log import LOG_FILE, read_train_log, trim_to_step
-from pipeline.records.verdicts import VERDICTS_FILE
+from pipeline.records.run_dir import RunDir
+from pipeline.records.train_log import read_train_log, trim_to_step
 from pipeline.report.live import LiveVerdicts
 from pipeline.target_model import (
     frozen_target_modules,
@@ -155,8 +155,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     start_step = at.step
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        trim_to_step(out / LOG_FILE, at.step)
-        trim_to_step(out / VERDICTS_FILE, at.step)
+        trim_to_step(RunDir(out).train_log, at.step)
+        trim_to_step(RunDir(out).verdicts, at.step)
         write_run_record(out, RunRecord(
             config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
             target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
@@ -182,13 +182,13 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     trackers = Trackers([])
     log_file = None
     if rank == 0:
-        for line in read_train_log(out / LOG_FILE):  # a resumed run: the causes that fired before stay fired
+        for line in read_train_log(RunDir(out).train_log):  # a resumed run: the causes that fired before stay fired
             verdicts.observe(line)
         if cfg.report_to:
             trackers = open_trackers(cfg.report_to, run_dir=out, run_name=out.resolve().name, start_step=at.step,
                                      params={"config": asdict(cfg), "cache": identity, "plan": asdict(plan),
                                              "drafter": asdict(config), "world_size": world}, warn=warn)
-        log_file = open(out / LOG_FILE, "a", encoding="utf-8")
+        log_file = open(RunDir(out).train_log, "a", encoding="utf-8")
     t_start = time.perf_counter()
     if view:
         view.start(total=plan.total_steps, done=at.step)
@@ -197,19 +197,19 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
                             verdicts=verdicts, log_file=log_file, view=view, warn=warn)
         if rank == 0:
             drafter.eval()
-            export_drafter(drafter, out / "drafter", dtype=autocast_dtype(cfg, device))
-            trackers.artifact(out / "drafter")
+            export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg, device))
+            trackers.artifact(RunDir(out).drafter)
     finally:
         if log_file:
             log_file.close()
         trackers.close()
         if view:
             view.stop()
-    last = result.last or next(reversed(read_train_log(out / LOG_FILE)), None)
+    last = result.last or next(reversed(read_train_log(RunDir(out).train_log)), None)
     if world > 1:
         dist.barrier()
     return {"steps": at.step, "total_steps": plan.total_steps, "epochs": round(at.step / plan.steps_per_epoch, 3),
-            "last": last.to_json() if last else {}, "out": str(out), "drafter": str(out / "drafter"), "world_size": world,
+            "last": last.to_json() if last else {}, "out": str(out), "drafter": str(RunDir(out).drafter), "world_size": world,
             "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "wall_s": round(time.perf_counter() - t_start, 2), "resumed": resumed,
             "verdicts": [v.line() for v in result.fired], "report_to": cfg.report_to,

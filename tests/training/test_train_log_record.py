@@ -10,8 +10,10 @@ import json
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.records.train_log import LOG_FILE, LogLine, last_step, read_train_log, trim_to_step
+from pipeline.records.train_log import LogLine, last_step, read_train_log, trim_to_step
 from pipeline.report.logs import read_run
+
+LOG_FILE = "train_log.jsonl"  # the name the README promises, spelled here independently of RunDir
 
 
 def raw_lines(path):
