@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.files import write_json_atomic
+from pipeline.records.typed import dump_record
 
 RUN_FILE = "run.json"
 
@@ -44,7 +45,7 @@ class RunRecord:
 
 def write_run_record(run_dir: Path, record: RunRecord) -> Path:
     path = Path(run_dir) / RUN_FILE
-    write_json_atomic(path, dataclasses.asdict(record))
+    write_json_atomic(path, dump_record(record))
     return path
 
 
