@@ -6,6 +6,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.cache.schema import (
+    HIDDEN,
+    INPUT_IDS,
+    LOSS_MASK,
+    TARGET_ARGMAX,
+    TARGET_LOGSUMEXP,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGITS,
+)
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.training.batch import anchor_generator, pack, prepare
 
@@ -27,11 +36,11 @@ def sample(n: int, seed: int) -> dict:
     logits = rng.normal(size=(n, K)).astype(np.float32) * 3
     mask = (rng.random(n) < 0.7).astype(np.uint8)
     mask[:2] = 1
-    return {"input_ids": rng.integers(0, V - 1, n), "loss_mask": mask,
-            "target_argmax": rng.integers(0, V - 1, n), "hidden": rng.normal(size=(n, TAPS, H)).astype(np.float32),
-            "target_topk_ids": np.stack([rng.permutation(V - 1)[:K] for _ in range(n)]),
-            "target_topk_logits": -np.sort(-logits, axis=1),
-            "target_logsumexp": np.log(np.exp(logits).sum(1) + 5.0).astype(np.float32)}
+    return {INPUT_IDS: rng.integers(0, V - 1, n), LOSS_MASK: mask,
+            TARGET_ARGMAX: rng.integers(0, V - 1, n), HIDDEN: rng.normal(size=(n, TAPS, H)).astype(np.float32),
+            TARGET_TOPK_IDS: np.stack([rng.permutation(V - 1)[:K] for _ in range(n)]),
+            TARGET_TOPK_LOGITS: -np.sort(-logits, axis=1),
+            TARGET_LOGSUMEXP: np.log(np.exp(logits).sum(1) + 5.0).astype(np.float32)}
 
 
 def batch(soft: bool, lengths=(57, 90, 33), vocab=None):

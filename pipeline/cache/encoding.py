@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline.cache.schema import FP8_MAX, HIDDEN, HIDDEN_SCALE, token_specs
+from pipeline.cache.schema import FP8_MAX, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LOSS_MASK, token_specs
 
 
 def encode_bf16(x: torch.Tensor) -> np.ndarray:
@@ -62,7 +62,7 @@ def encode_rows(hidden_format: str, ids: list[int], mask: list[int],
     """One sample as a shard stores it: {array name: values in the stored dtype} for every
     per-token array of the schema. `target_outputs` holds what the target computed for the
     sample under the arrays' names, the tap outputs under "hidden" (float, before encoding)."""
-    values = {"input_ids": ids, "loss_mask": mask, **target_outputs}
+    values = {INPUT_IDS: ids, LOSS_MASK: mask, **target_outputs}
     values.update(encode_hidden(hidden_format, values.pop(HIDDEN)))
     rows = {}
     for spec in token_specs(hidden_format):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Mapping
 
-from pipeline.cache.records import dump_record, flatten, label, parse_record, type_hints
 from pipeline.cache.schema import Chunking
+from pipeline.records.typed import dump_record, flatten, label, parse_record, type_hints
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 This module owns the manifest: `read_manifest` parses and validates `manifest.json` once into a
 typed `Manifest` (unknown schema versions refused); every consumer reads its fields, and
 `create_manifest` writes it. The cache's identity is one `Identity` record
-(pipeline/cache/identity.py); the JSON is read and written by pipeline/cache/records.py.
+(pipeline/cache/identity.py); the JSON is read and written by pipeline/records/typed.py.
 
 Which shards are committed is derived from their commit records (pipeline/cache/commit.py):
 manifest.json itself is written once, when the cache is created, with a create-if-absent write,
@@ -27,7 +27,6 @@ from typing import Any
 from pipeline.cache.identity import Difference, Identity, shard_claims, shard_field_name
 from pipeline.cache.address import open_location
 from pipeline.cache.location import Location
-from pipeline.cache.records import RecordFieldError, dump_record, parse_record, stored_as
 from pipeline.cache.schema import (
     FORMAT_NAME,
     MANIFEST,
@@ -38,6 +37,7 @@ from pipeline.cache.schema import (
     shard_name,
 )
 from pipeline.errors import PipelineError
+from pipeline.records.typed import RecordFieldError, dump_record, parse_record, stored_as
 
 
 def _now() -> str:

@@ -20,7 +20,18 @@ from pipeline.cache.local_copy import LocalCopies
 from pipeline.cache.address import open_location
 from pipeline.cache.location import Location
 from pipeline.cache.manifest import describe_foreign, read_manifest
-from pipeline.cache.schema import HARD_LABEL, HIDDEN, SAMPLE_TOKENS, SOFT_LABEL, array_specs, file_key, role_names, shard_name
+from pipeline.cache.schema import (
+    HARD_LABEL,
+    HIDDEN,
+    OFFSETS,
+    SAMPLE_ID,
+    SAMPLE_TOKENS,
+    SOFT_LABEL,
+    array_specs,
+    file_key,
+    role_names,
+    shard_name,
+)
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.config import parse_size
 from pipeline.errors import PipelineError
@@ -52,8 +63,8 @@ class ShardReader:
             if expected is not None:
                 self._check_declared_shapes(*expected)
             self._check_files(set(files))
-            self.offsets = self.group["offsets"][:]
-            self.sample_ids = self.group["sample_id"][:]
+            self.offsets = self.group[OFFSETS][:]
+            self.sample_ids = self.group[SAMPLE_ID][:]
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001 - zarr raises many types; the message names the shard

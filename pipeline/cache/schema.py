@@ -73,6 +73,17 @@ SOFT_LABEL = "soft_label"         # the rest of the target's prediction, for the
 HIDDEN_STATE = "hidden_state"     # the tap outputs, stored in the cache's hidden format
 SAMPLE_INDEX = "sample_index"     # per sample: where its tokens are, and which dataset row it is
 
+# Each array's name: its directory in a shard, and its key in a sample as the reader returns it.
+# Code names an array by these constants, never by a string of its own (tests/cache/
+# test_array_names.py keeps it so); the specs below give each one its dtype, shape and role.
+INPUT_IDS = "input_ids"
+LOSS_MASK = "loss_mask"
+TARGET_ARGMAX = "target_argmax"
+TARGET_TOPK_IDS = "target_topk_ids"
+TARGET_TOPK_LOGITS = "target_topk_logits"
+TARGET_LOGSUMEXP = "target_logsumexp"
+OFFSETS = "offsets"
+SAMPLE_ID = "sample_id"           # a sample's stable id; a sample read with its id carries it under this key too
 # The tap outputs' stored array; a decoded sample carries the float tap outputs under this key too.
 HIDDEN = "hidden"
 HIDDEN_SCALE = "hidden_scale"     # fp8 only: the per-token, per-tap scale of HIDDEN
@@ -104,21 +115,21 @@ class ArraySpec:
 
 # The arrays every cache has, whatever its hidden format (in the order a shard creates them).
 _SHARED_SPECS = (
-    ArraySpec(name="input_ids", dtype="int32", inner=(), per="token", logical="token id", role=SAMPLE_TOKENS),
-    ArraySpec(name="loss_mask", dtype="uint8", inner=(), per="token", logical="1 = supervised (DESIGN 3.5)",
+    ArraySpec(name=INPUT_IDS, dtype="int32", inner=(), per="token", logical="token id", role=SAMPLE_TOKENS),
+    ArraySpec(name=LOSS_MASK, dtype="uint8", inner=(), per="token", logical="1 = supervised (DESIGN 3.5)",
               role=SAMPLE_TOKENS),
-    ArraySpec(name="target_argmax", dtype="int32", inner=(), per="token",
+    ArraySpec(name=TARGET_ARGMAX, dtype="int32", inner=(), per="token",
               logical="target's argmax prediction of the NEXT token, from its output logits at this position",
               role=HARD_LABEL),
-    ArraySpec(name="target_topk_ids", dtype="int32", inner=("top_k",), per="token", logical="top-k ids, logits descending",
+    ArraySpec(name=TARGET_TOPK_IDS, dtype="int32", inner=("top_k",), per="token", logical="top-k ids, logits descending",
               role=SOFT_LABEL),
-    ArraySpec(name="target_topk_logits", dtype="float32", inner=("top_k",), per="token",
+    ArraySpec(name=TARGET_TOPK_LOGITS, dtype="float32", inner=("top_k",), per="token",
               logical="top-k logits, descending", role=SOFT_LABEL),
-    ArraySpec(name="target_logsumexp", dtype="float32", inner=(), per="token",
+    ArraySpec(name=TARGET_LOGSUMEXP, dtype="float32", inner=(), per="token",
               logical="full-vocabulary logsumexp of the logits", role=SOFT_LABEL),
-    ArraySpec(name="offsets", dtype="int64", inner=(), per="sample", logical="sample s = tokens offsets[s]:offsets[s+1]",
+    ArraySpec(name=OFFSETS, dtype="int64", inner=(), per="sample", logical="sample s = tokens offsets[s]:offsets[s+1]",
               role=SAMPLE_INDEX, fencepost=True),
-    ArraySpec(name="sample_id", dtype="int64", inner=(), per="sample", logical="row index of the sample in the dataset",
+    ArraySpec(name=SAMPLE_ID, dtype="int64", inner=(), per="sample", logical="row index of the sample in the dataset",
               role=SAMPLE_INDEX),
 )
 

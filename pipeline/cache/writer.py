@@ -27,7 +27,17 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from pipeline.cache.commit import DigestingStore, record_bytes
 from pipeline.files import describe_os_error, digest_of_files
 from pipeline.cache.location import Location
-from pipeline.cache.schema import DIGESTS, FILE_KEY_SEPARATOR, Chunking, array_specs, inner_shape, shard_name
+from pipeline.cache.schema import (
+    DIGESTS,
+    FILE_KEY_SEPARATOR,
+    INPUT_IDS,
+    OFFSETS,
+    SAMPLE_ID,
+    Chunking,
+    array_specs,
+    inner_shape,
+    shard_name,
+)
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 
@@ -115,7 +125,7 @@ class ShardWriter:
     def append(self, sample_id: int, rows: dict[str, np.ndarray]) -> None:
         """Add one sample; `rows` holds every per-token array, all with the same length."""
         lengths = {name: len(rows[name]) for name in self.token_arrays}
-        n = lengths["input_ids"]
+        n = lengths[INPUT_IDS]
         if set(lengths.values()) != {n} or n == 0:
             raise ValueError(f"sample {sample_id}: per-token arrays disagree in length or are empty: {lengths}")
         if self.offsets[-1] + n > self.num_tokens:
@@ -149,7 +159,7 @@ class ShardWriter:
         for name in self.token_arrays:
             self._write_file(name)
         self.buffers.clear()
-        per_sample = {"offsets": self.offsets, "sample_id": self.sample_ids}
+        per_sample = {OFFSETS: self.offsets, SAMPLE_ID: self.sample_ids}
         for spec in self.specs.values():
             if spec.per == "sample":
                 values = per_sample[spec.name]

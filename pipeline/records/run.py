@@ -12,6 +12,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.files import write_json_atomic
 from pipeline.records.run_dir import RunDir
+from pipeline.records.typed import dump_record
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -42,7 +43,7 @@ class RunRecord:
 
 def write_run_record(run_dir: Path, record: RunRecord) -> Path:
     path = RunDir(run_dir).run_record
-    write_json_atomic(path, dataclasses.asdict(record))
+    write_json_atomic(path, dump_record(record))
     return path
 
 

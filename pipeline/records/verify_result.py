@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pipeline.errors import PipelineError
+from pipeline.records.typed import dump_record
 
 STATUSES = ("pass", "fail", "skipped", "inconclusive")
 
@@ -33,7 +34,7 @@ class VerifyResult:
 
     def to_json(self) -> dict:
         """The `--json` document; a result that stopped at the manifest has only cache, passed, checks."""
-        out = dataclasses.asdict(self)
+        out = dump_record(self)
         if self.tokens is None:
             out = {k: out[k] for k in ("cache", "passed", "checks")}
         return out

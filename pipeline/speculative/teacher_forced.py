@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pipeline.cache.reader import CacheReader
+from pipeline.cache.schema import INPUT_IDS, SAMPLE_ID
 from pipeline.training.batch import anchor_generator, forward_logits, pack, prepare
 from pipeline.errors import PipelineError
 from pipeline.training.metrics import add_sums, finish_metrics, metric_sums
@@ -22,7 +23,7 @@ def teacher_forced(drafter, reader: CacheReader, *, im_start: int, last_turn_onl
     for name in reader.shards:
         shard = reader.shard(name, chunk_cache_bytes=64 * 2**20)
         for sid in map(int, shard.sample_ids):
-            sample = {**shard.sample(sid), "sample_id": sid}
+            sample = {**shard.sample(sid), SAMPLE_ID: sid}
             seq = prepare(sample, block_size=c.block_size, num_anchors=2**31, max_length=2**31,
                           mask_token_id=c.mask_token_id, gamma=4.0, generator=anchor_generator(0, 0, sid))
             if seq is None:
@@ -31,7 +32,7 @@ def teacher_forced(drafter, reader: CacheReader, *, im_start: int, last_turn_onl
             logits = forward_logits(drafter, batch)
             keep = torch.ones(len(seq.anchors), dtype=torch.bool)
             if last_turn_only:
-                starts = np.nonzero(sample["input_ids"] == im_start)[0]
+                starts = np.nonzero(sample[INPUT_IDS] == im_start)[0]
                 keep = seq.anchors > int(starts[-1]) if len(starts) else keep
             if keep.any():
                 sums = add_sums(sums, metric_sums(logits[keep], batch.labels[keep], batch.weights[keep]))

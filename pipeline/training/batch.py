@@ -18,7 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.cache.schema import HIDDEN
+from pipeline.cache.schema import (
+    HIDDEN,
+    INPUT_IDS,
+    LOSS_MASK,
+    TARGET_ARGMAX,
+    TARGET_LOGSUMEXP,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGITS,
+)
 from pipeline.drafter.model import block_mask
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.training.blocks import block_soft_targets, block_targets, block_tokens, sample_anchors
@@ -74,9 +82,9 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
     """Blocks for one sample (None if it has no valid anchor). Noise, when asked, is added to the
     input context features only (DESIGN 3.6): labels come from the stored target outputs. `vocab`:
     labels (and soft-target ids) as its draft ids (module docstring)."""
-    n = min(len(sample["input_ids"]), max_length)
-    ids = torch.from_numpy(np.asarray(sample["input_ids"][:n], dtype=np.int64))
-    mask = torch.from_numpy(np.asarray(sample["loss_mask"][:n], dtype=np.int64))
+    n = min(len(sample[INPUT_IDS]), max_length)
+    ids = torch.from_numpy(np.asarray(sample[INPUT_IDS][:n], dtype=np.int64))
+    mask = torch.from_numpy(np.asarray(sample[LOSS_MASK][:n], dtype=np.int64))
     anchors = sample_anchors(mask, num_anchors, generator)
     if len(anchors) == 0:
         return None
@@ -84,15 +92,15 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
     hidden = (hidden if isinstance(hidden, torch.Tensor) else torch.from_numpy(np.asarray(hidden))).float()
     if noise_std > 0:
         hidden = hidden + noise_std * torch.randn(hidden.shape, generator=noise)
-    argmax = torch.from_numpy(np.asarray(sample["target_argmax"][:n], dtype=np.int64))
+    argmax = torch.from_numpy(np.asarray(sample[TARGET_ARGMAX][:n], dtype=np.int64))
     block_ids, pos = block_tokens(ids, anchors, block_size, mask_token_id)
     labels, weights = block_targets(argmax, mask, anchors, block_size, gamma)
     out = SequenceBlocks(hidden, block_ids, pos, anchors, labels, weights)
     if soft:
         out.soft_ids, out.soft_probs = block_soft_targets(
-            torch.from_numpy(np.asarray(sample["target_topk_ids"][:n], dtype=np.int64)),
-            torch.from_numpy(np.asarray(sample["target_topk_logits"][:n], dtype=np.float32)),
-            torch.from_numpy(np.asarray(sample["target_logsumexp"][:n], dtype=np.float32)), anchors, block_size)
+            torch.from_numpy(np.asarray(sample[TARGET_TOPK_IDS][:n], dtype=np.int64)),
+            torch.from_numpy(np.asarray(sample[TARGET_TOPK_LOGITS][:n], dtype=np.float32)),
+            torch.from_numpy(np.asarray(sample[TARGET_LOGSUMEXP][:n], dtype=np.float32)), anchors, block_size)
     if vocab is not None:
         _to_draft_vocab(out, vocab)
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.cache.schema import LOSS_MASK, TARGET_ARGMAX
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.errors import PipelineError
 
@@ -48,14 +49,14 @@ def count_labels(reader, vocab_size: int, max_length: int, shards: list[str] | N
             while last < len(offsets) - 1 and offsets[last + 1] - offsets[first] <= _WINDOW:
                 last += 1
             a, b = int(offsets[first]), int(offsets[last])
-            argmax = np.asarray(shard.read_range("target_argmax", a, b), dtype=np.int64)
-            mask = np.asarray(shard.read_range("loss_mask", a, b)) != 0
+            argmax = np.asarray(shard.read_range(TARGET_ARGMAX, a, b), dtype=np.int64)
+            mask = np.asarray(shard.read_range(LOSS_MASK, a, b)) != 0
             starts = offsets[first:last] - a
             local = np.arange(b - a) - np.repeat(starts, np.diff(offsets[first:last + 1]))  # position inside its sample
             supervised = mask & (local >= 1) & (local < max_length)
             labels = argmax[np.flatnonzero(supervised) - 1]
             if len(labels) and (labels.min() < 0 or labels.max() >= vocab_size):
-                raise PipelineError(f"{shard.path}/target_argmax: a label outside [0, {vocab_size})")
+                raise PipelineError(f"{shard.path}/{TARGET_ARGMAX}: a label outside [0, {vocab_size})")
             counts += np.bincount(labels, minlength=vocab_size)
             first = last
     return counts

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from presets import load_preset, preset_names
 from pipeline.cache.reader import CacheReader
+from pipeline.cache.schema import INPUT_IDS
 from pipeline.config import TrainConfig
 from pipeline.drafter.config import DrafterConfig
 from pipeline.errors import PipelineError
@@ -91,7 +92,7 @@ def check_mask_absent(reader: CacheReader, mask_id: int) -> None:
         else:
             shard = reader.shard(name)
             step = 1 << 24
-            hit = any(bool((shard.read_range("input_ids", a, min(a + step, shard.num_tokens)) == mask_id).any())
+            hit = any(bool((shard.read_range(INPUT_IDS, a, min(a + step, shard.num_tokens)) == mask_id).any())
                       for a in range(0, shard.num_tokens, step))
         if hit:
             found.append(name)

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from pipeline.cache.schema import SAMPLE_ID
 from pipeline.config import TrainConfig, parse_loss
 from pipeline.training.batch import (
     anchor_generator,
@@ -81,10 +82,10 @@ class StepRunner:
         cfg, config = self.cfg, self.drafter.config
 
         def transform(position, sample):
-            return sample["sample_id"], prepare(
+            return sample[SAMPLE_ID], prepare(
                 sample, block_size=cfg.block_size, num_anchors=cfg.num_anchors, max_length=cfg.max_length,
                 mask_token_id=config.mask_token_id, gamma=self.block_gamma, soft=self.soft,
-                generator=anchor_generator(cfg.seed, epoch, int(sample["sample_id"])), vocab=self.drafter.draft_vocab)
+                generator=anchor_generator(cfg.seed, epoch, int(sample[SAMPLE_ID])), vocab=self.drafter.draft_vocab)
         return transform
 
     def noise_std(self, step: int) -> float:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import HARD_LABEL, HIDDEN, SAMPLE_TOKENS, SOFT_LABEL, role_names
+from pipeline.cache.schema import HARD_LABEL, HIDDEN, SAMPLE_ID, SAMPLE_TOKENS, SOFT_LABEL, role_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +188,7 @@ class SampleStream:
             sid = int(shard.sample_ids[row])
             sample = {k: shard.read(k, sid) for k in self.fields}
             sample[HIDDEN] = shard.hidden(sid)
-            sample["sample_id"] = sid
+            sample[SAMPLE_ID] = sid
             yield pos, (self.transform(pos, sample) if self.transform else sample)
 
     def _threaded(self, order: EpochOrder, positions: range, prefetch: int):

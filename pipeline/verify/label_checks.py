@@ -11,7 +11,18 @@ import numpy as np
 from pipeline.verify.bounded_reads import sample_windows, sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import HARD_LABEL, SAMPLE_TOKENS, SOFT_LABEL, role_names
+from pipeline.cache.schema import (
+    HARD_LABEL,
+    INPUT_IDS,
+    LOSS_MASK,
+    SAMPLE_TOKENS,
+    SOFT_LABEL,
+    TARGET_ARGMAX,
+    TARGET_LOGSUMEXP,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGITS,
+    role_names,
+)
 from pipeline.errors import PipelineError
 
 
@@ -33,8 +44,8 @@ def check_alignment(reader: CacheReader, shards: list[str]) -> tuple[Check, Chec
                 stored = {k: shard.read_range(k, a, b) for k in role_names(SAMPLE_TOKENS, HARD_LABEL, SOFT_LABEL)}
             except PipelineError:
                 continue  # reported by the checksum check
-            ids, mask, arg = stored["input_ids"], stored["loss_mask"], stored["target_argmax"]
-            top_ids, top_logits, lse = stored["target_topk_ids"], stored["target_topk_logits"], stored["target_logsumexp"]
+            ids, mask, arg = stored[INPUT_IDS], stored[LOSS_MASK], stored[TARGET_ARGMAX]
+            top_ids, top_logits, lse = stored[TARGET_TOPK_IDS], stored[TARGET_TOPK_LOGITS], stored[TARGET_LOGSUMEXP]
             starts = (shard.offsets[lo:hi] - a).astype(np.int64)
             ends = (shard.offsets[lo + 1:hi + 1] - a).astype(np.int64)
             sample_of = np.repeat(np.arange(hi - lo), ends - starts)

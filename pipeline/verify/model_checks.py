@@ -17,7 +17,18 @@ import torch
 from pipeline.verify.bounded_reads import shard_tokens, sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import HARD_LABEL, HIDDEN, SOFT_LABEL, role_names
+from pipeline.cache.schema import (
+    HARD_LABEL,
+    HIDDEN,
+    INPUT_IDS,
+    SAMPLE_ID,
+    SOFT_LABEL,
+    TARGET_ARGMAX,
+    TARGET_LOGSUMEXP,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGITS,
+    role_names,
+)
 from pipeline.target_model.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
 from pipeline.target_model.kernels import kernel_record
@@ -78,7 +89,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         shard = reader.shard(name)
         sid = int(shard.sample_ids[row])
         sample = shard.sample(sid)
-        ids = torch.from_numpy(sample["input_ids"].astype(np.int64))[None]
+        ids = torch.from_numpy(sample[INPUT_IDS].astype(np.int64))[None]
         with counter:
             out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True)
         states = torch.stack([h[0].float().cpu() for h in out.hidden_states])  # [L+1, T, H]
@@ -96,12 +107,12 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
             worst["max_abs"] = max(worst["max_abs"], abs_err)
             worst["max_rel"] = max(worst["max_rel"], abs_err / max(float(ref.abs().max()), 1e-6))
         logits = out.logits[0].float().cpu()
-        argmax_same += int((logits.argmax(-1).numpy() == sample["target_argmax"]).sum())
-        stored_argmax = torch.from_numpy(sample["target_argmax"].astype(np.int64))
+        argmax_same += int((logits.argmax(-1).numpy() == sample[TARGET_ARGMAX]).sum())
+        stored_argmax = torch.from_numpy(sample[TARGET_ARGMAX].astype(np.int64))
         shortfall = logits.max(-1).values - logits.gather(1, stored_argmax[:, None])[:, 0]
         worst["argmax_shortfall"] = max(worst["argmax_shortfall"], float(torch.nan_to_num(shortfall, nan=float("inf")).max()))
-        k_top = sample["target_topk_ids"].shape[1]
-        topk_same += int((torch.topk(logits, k_top).indices.numpy() == sample["target_topk_ids"]).all(axis=1).sum())
+        k_top = sample[TARGET_TOPK_IDS].shape[1]
+        topk_same += int((torch.topk(logits, k_top).indices.numpy() == sample[TARGET_TOPK_IDS]).all(axis=1).sum())
         positions += ids.shape[1]
     now = kernel_record(model, counter.counts)["path"]
     recorded = sorted({reader.manifest.shards[n].kernel_path for n, _ in picks})
@@ -144,14 +155,14 @@ def tail_errors(model, lm_head, deepest_tap: int, samples: list[dict], logits_ch
         for a, logits in chunks(last):
             logits = logits.cpu()
             b = a + len(logits)
-            argmax = torch.from_numpy(sample["target_argmax"][a:b].astype(np.int64))
-            top_ids = torch.from_numpy(sample["target_topk_ids"][a:b].astype(np.int64))
+            argmax = torch.from_numpy(sample[TARGET_ARGMAX][a:b].astype(np.int64))
+            top_ids = torch.from_numpy(sample[TARGET_TOPK_IDS][a:b].astype(np.int64))
             best = logits.max(-1).values
             errors = {
                 "argmax": best - logits.gather(1, argmax[:, None])[:, 0],
-                "topk": (logits.gather(1, top_ids) - torch.from_numpy(sample["target_topk_logits"][a:b])).abs().amax(-1),
+                "topk": (logits.gather(1, top_ids) - torch.from_numpy(sample[TARGET_TOPK_LOGITS][a:b])).abs().amax(-1),
             }
-            errors["logsumexp"] = (logsumexp_(logits, best) - torch.from_numpy(sample["target_logsumexp"][a:b])).abs()
+            errors["logsumexp"] = (logsumexp_(logits, best) - torch.from_numpy(sample[TARGET_LOGSUMEXP][a:b])).abs()
             for key, err in errors.items():
                 err = torch.nan_to_num(err, nan=float("inf"))  # a NaN prediction is as wrong as can be
                 at = int(err.argmax())
@@ -187,7 +198,7 @@ def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed:
                 worst[key] = max(worst[key], value)
             bad = [f"{key} off by {value:.3g} at position {pos}" for key, (value, pos) in err.items() if value > tol[key]]
             if bad:
-                offending.add(sample["shard"], sample["sample_id"], "; ".join(bad))
+                offending.add(sample["shard"], sample[SAMPLE_ID], "; ".join(bad))
 
     # Windows hold at most ~256 MB of raw taps (about 5,000 tokens at Qwen3.6-27B's width).
     window = max(1, (256 << 20) // (len(cap.target_layer_ids) * cap.hidden_size * 2))
@@ -198,7 +209,7 @@ def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed:
             for _, sid, sample in shard_tokens(shard, predictions, tap=k, max_tokens=window):
                 if rate < 1.0 and rng.random() >= rate:
                     continue
-                sample.update(shard=name, sample_id=sid)
+                sample.update({"shard": name, SAMPLE_ID: sid})
                 if batch and (len(batch) + 1) * max(size, len(sample["tap"])) > batch_tokens:
                     run(batch)
                     batch, size = [], 0

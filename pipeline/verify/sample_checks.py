@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline.verify.bounded_reads import shard_tokens, sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
+from pipeline.cache.schema import INPUT_IDS, LOSS_MASK
 from pipeline.data.conversations import index_rows, iter_rows
 from pipeline.data.loss_mask import ConversationMasker, mask_violations, newline_tokens
 from pipeline.data.samples import row_tokens
@@ -50,9 +51,9 @@ def check_loss_masks(reader: CacheReader, shards: list[str], tokenizer) -> Check
                     mismatched.add(name, sid, f"cannot be re-derived ({e})")
                     continue
                 ids, mask = ids[:max_length], mask[:max_length]
-                if stored["input_ids"].tolist() != ids:
+                if stored[INPUT_IDS].tolist() != ids:
                     mismatched.add(name, sid, f"{row.where}: input_ids differ from re-tokenization")
-                elif (stored_mask := stored["loss_mask"].tolist()) != mask:
+                elif (stored_mask := stored[LOSS_MASK].tolist()) != mask:
                     at = next(i for i, (x, y) in enumerate(zip(stored_mask, mask)) if x != y)
                     mismatched.add(name, sid, f"{row.where}: loss_mask differs first at position {at}")
         except PipelineError:
@@ -76,7 +77,7 @@ def check_mask_boundaries(reader: CacheReader, shards: list[str], tokenizer) -> 
         try:
             for _, sid, stored in shard_tokens(shard):
                 checked += 1
-                found = mask_violations(stored["input_ids"], stored["loss_mask"], turn_start=vocab["<|im_start|>"],
+                found = mask_violations(stored[INPUT_IDS], stored[LOSS_MASK], turn_start=vocab["<|im_start|>"],
                                         end_of_turn=vocab[end], newline=newline, decode=tokenizer.decode)
                 for kind, pos in found.items():
                     kinds.setdefault(kind, SampleList()).add(name, sid, f"position {pos}")

@@ -4,8 +4,13 @@
 path) and builds the dataclass; `dump_record` is its inverse. A field may be stored under another
 JSON key (`stored_as`), carry a human name for messages (`label`), or be kept out of the JSON
 (metadata stored=False); unknown keys are an error, or kept in a record's `extra` where it has one.
-Used by the cache manifest and its identity (pipeline/cache/manifest.py, identity.py), which are
-untrusted input: nothing is built from a value before its type is checked.
+
+The one record mechanism of the pipeline, on the records' floor so that every package may use it.
+The cache manifest and its identity (pipeline/cache/manifest.py, identity.py) are read with
+`parse_record` because they are untrusted input: nothing is built from a value before its type is
+checked. The run's own files (the other modules here) are written with `dump_record`; their readers
+stay tolerant by design (older files, keys a newer pipeline added, values kept as written), which
+this strict reader is not.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def _kind(tp: Any) -> str:
 def parse_record(tp: Any, value: Any, where: str) -> Any:
     """`value` (parsed JSON) checked against type `tp`; dataclasses built field by field. `where`
     is the dotted path so far, ending with '.'."""
-    name = where.rstrip(".") or "manifest"
+    name = where.rstrip(".") or "record"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
