@@ -52,64 +52,45 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
     `group_by`, per value of that row field (pipeline/speculative/groups.py). `outputs`: a JSONL
     file of what each prompt decoded, streamed per batch of prompts (pipeline/speculative/outputs.py)."""
     o = options
-    target, prompts, max_new_tokens, limit, cache, outputs = o.target, o.prompts, o.max_new_tokens, o.limit, o.cache, o.outputs
-    tree_budgets, tree_top_k, tree_verify, batch_size, group_by = o.tree_budget, o.tree_top_k, o.tree_verify, o.batch_size, o.group_by
-    if outputs is not None:  # a path eval could not write is one line before any decoding
-        check_outputs_path(Path(outputs))
+    if o.outputs is not None:  # a path eval could not write is one line before any decoding
+        check_outputs_path(Path(o.outputs))
     device_, dtype_ = resolve_device(o.device, o.dtype)
     sampling = sampling_of(o.temperature, o.top_p, o.top_k, o.seed)
-    check_decoding_options(tree_verify, batch_size)
+    check_decoding_options(o.tree_verify, o.batch_size)
 
     drafter_dir, recorded = resolve_drafter(o.drafter)
     # Opened first: a cache that cannot be used (shards of another identity among them) is one
     # line before any decoding, not after it.
-    cache_reader = open_cache(cache) if cache is not None else None
+    cache_reader = open_cache(o.cache) if o.cache is not None else None
     report_to = parse_report_to(o.report_to)
     for name in report_to:  # a missing extra or a drafter without its run: one line before any decoding
         tracker_class(name).check_installed()
     if report_to and not RunDir.holding(drafter_dir).train_log.is_file():
         raise PipelineError(f"{drafter_dir}: --report-to needs the drafter's training run (RUN/train_log.jsonl beside it)")
-    target_dir = resolve_target(target, recorded)
-    facts = read_target_facts(target_dir)
+    target_dir = resolve_target(o.target, recorded)
     mismatch = target_mismatch(target_dir, Path(recorded.source)) if recorded else None
     if mismatch and warn:
         warn(f"the target {target_dir} is not the one this drafter was trained against ({recorded.source} recorded "
              f"{recorded.path}): its {mismatch} differ; decoding stays lossless, but the drafts were learned for another model")
-    embed, head = frozen_target_modules(target_dir, dtype_)
-    drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).to(device_, dtype_).eval()
-    c = drafter.config
-    if (c.hidden_size, c.vocab_size) != (facts.hidden_size, facts.vocab_size) or max(c.target_layer_ids) >= facts.num_hidden_layers - 1:
-        raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
-                            f"{c.target_layer_ids}) does not fit target {target_dir} (hidden {facts.hidden_size}, "
-                            f"vocab {facts.vocab_size}, {facts.num_hidden_layers} layers)")
-    block = o.block_size or c.block_size
-    if not 2 <= block <= c.block_size:
-        raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
-    if any(b < 1 for b in tree_budgets):
-        raise PipelineError(f"--tree-budget values must be >= 1, got {tree_budgets}")
-    c.block_size = block
+    drafter = fitting_drafter(drafter_dir, target_dir, o, device_, dtype_)
     tokenizer = load_tokenizer(target_dir)
     model = load_target(target_dir, dtype=dtype_).to(device_)
-    live = LiveTarget(model, c.target_layer_ids)
-    tree_verify, tree_verify_reason = tree_verification(model, tree_verify, tree_budgets, batch_size)
-    eos = end_of_turn_ids(tokenizer)
-    items = read_prompts(Path(prompts) if prompts else HELDOUT_DATA, tokenizer, limit)
-    if group_by and not any(group_by in item["fields"] for item in items):
-        seen = sorted({k for item in items for k in item["fields"]})
-        raise PipelineError(f"--group-by {group_by}: no prompt row has this field (the rows' fields: "
-                            f"{', '.join(seen) or 'none besides the conversation'})")
+    live = LiveTarget(model, drafter.config.target_layer_ids)
+    tree_verify, tree_verify_reason = tree_verification(model, o.tree_verify, o.tree_budget, o.batch_size)
+    items = read_prompts(Path(o.prompts) if o.prompts else HELDOUT_DATA, tokenizer, o.limit)
+    check_group_by(o.group_by, items)
     if on_total:
         on_total(len(items))
 
     prompt_ids = [item["ids"] for item in items]
-    settings = Settings(max_new=max_new_tokens, eos=eos, sampling=sampling, batch_size=batch_size, tree_top_k=tree_top_k,
-                        tree_verify=tree_verify)
-    variants = variants_of({"tree": tree_budgets})
+    settings = Settings(max_new=o.max_new_tokens, eos=end_of_turn_ids(tokenizer), sampling=sampling,
+                        batch_size=o.batch_size, tree_top_k=o.tree_top_k, tree_verify=tree_verify)
+    variants = variants_of({"tree": o.tree_budget})
     sampled = sampling is not None
     markers = TurnMarkers.of(tokenizer)
     departures = {v: [] for v in variants}
-    writer = (OutputsWriter(Path(outputs), tokenizer=tokenizer, markers=markers, reference_key=reference_key(sampled),
-                            sampled=sampled) if outputs is not None else None)
+    writer = (OutputsWriter(Path(o.outputs), tokenizer=tokenizer, markers=markers, reference_key=reference_key(sampled),
+                            sampled=sampled) if o.outputs is not None else None)
 
     def finished(first: int, reference: list, runs: dict) -> None:
         """A batch of prompts decoded by every variant: its departures judged, its lines written."""
@@ -125,30 +106,58 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
         reference, runs, seconds = decode_variants(live, drafter, prompt_ids, variants, settings, progress, finished)
         if writer is not None:
             writer.finish()
-    greedy_tokens = sum(len(r.tokens) for r in reference)
+    block = drafter.config.block_size
     summaries = {v: summarise(results, reference, seconds[v.name], seconds[REFERENCE], block, departures[v], sampled=sampled)
                  for v, results in runs.items()}
     for v in summaries:
         if v.kind.parametrised:  # DDTree: the top-k its trees branch by
-            summaries[v]["top_k"] = tree_top_k
-    lossless = None if sampled else not any(not d.tie for found in departures.values() for d in found)
+            summaries[v]["top_k"] = o.tree_top_k
+    greedy_tokens = sum(len(r.tokens) for r in reference)
     result = EvalResult(
         drafter=str(drafter_dir), target=str(target_dir), target_differs_from_training=mismatch, prompts=len(items),
-        block_size=block, max_new_tokens=max_new_tokens, device=f"{device_} ({dtype_name(dtype_)})",
+        block_size=block, max_new_tokens=o.max_new_tokens, device=f"{device_} ({dtype_name(dtype_)})",
         cpu_threads=torch.get_num_threads(), drafter_kv_cache=True, tree_verify=tree_verify,
-        tree_verify_reason=tree_verify_reason, batch_size=batch_size, sampling=sampling.record() if sampled else None,
+        tree_verify_reason=tree_verify_reason, batch_size=o.batch_size, sampling=sampling.record() if sampled else None,
         reference={"tokens": greedy_tokens, "wall_s": seconds[REFERENCE],
                    "tokens_per_s": greedy_tokens / max(seconds[REFERENCE], 1e-9),
                    "target_passes_per_token": sum(r.target_passes for r in reference) / max(greedy_tokens, 1)},
-        variants=summaries, lossless=lossless, by_kind=by_kind(prompt_ids, reference, runs, markers),
-        by_field=by_field(group_by, [item["fields"] for item in items], runs) if group_by else None,
+        variants=summaries, lossless=None if sampled else not any(not d.tie for found in departures.values() for d in found),
+        by_kind=by_kind(prompt_ids, reference, runs, markers),
+        by_field=by_field(o.group_by, [item["fields"] for item in items], runs) if o.group_by else None,
         teacher_forced=(teacher_forced(drafter, cache_reader, im_start=tokenizer.convert_tokens_to_ids("<|im_start|>"))
                         if cache_reader is not None else None),
-        outputs=str(outputs) if outputs is not None else None)
+        outputs=str(o.outputs) if o.outputs is not None else None)
     if report_to:
         result.reported_to = {"trackers": report_to,
                               "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}
     return result.to_json()
+
+
+def fitting_drafter(drafter_dir: Path, target_dir: Path, o: EvalOptions, device, dtype):
+    """The drafter on `device`, refused in one line where it does not fit the target, its block
+    cut to --block-size."""
+    facts = read_target_facts(target_dir)
+    embed, head = frozen_target_modules(target_dir, dtype)
+    drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).to(device, dtype).eval()
+    c = drafter.config
+    if (c.hidden_size, c.vocab_size) != (facts.hidden_size, facts.vocab_size) or max(c.target_layer_ids) >= facts.num_hidden_layers - 1:
+        raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
+                            f"{c.target_layer_ids}) does not fit target {target_dir} (hidden {facts.hidden_size}, "
+                            f"vocab {facts.vocab_size}, {facts.num_hidden_layers} layers)")
+    block = o.block_size or c.block_size
+    if not 2 <= block <= c.block_size:
+        raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
+    if any(b < 1 for b in o.tree_budget):
+        raise PipelineError(f"--tree-budget values must be >= 1, got {o.tree_budget}")
+    c.block_size = block
+    return drafter
+
+
+def check_group_by(group_by: str | None, items: list[dict]) -> None:
+    if group_by and not any(group_by in item["fields"] for item in items):
+        seen = sorted({k for item in items for k in item["fields"]})
+        raise PipelineError(f"--group-by {group_by}: no prompt row has this field (the rows' fields: "
+                            f"{', '.join(seen) or 'none besides the conversation'})")
 
 
 def check_decoding_options(tree_verify: str, batch_size: int) -> None:

@@ -115,6 +115,25 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             claim.release()
 
 
+def run_record(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: int, device, gamma: float, attention_path: str,
+               vocab_record, plan, config, incomplete: dict, resumed_from_step: int) -> RunRecord:
+    """What RUN/run.json says of this run: its config, target, cache, placement and plan."""
+    manifest = reader.manifest
+    frozen_dtype = autocast_dtype(cfg, device) or torch.float32
+    return RunRecord(
+        config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
+        target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
+        cache=reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
+        world_size=world, device=str(device), autocast=str(autocast_dtype(cfg, device)),
+        frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
+        slot_weights=describe_slot_weights(cfg.position_weight, gamma, cfg.dpace_alpha),
+        attention_path=attention_path, draft_vocab=vocab_record,
+        optimizer=describe_optimizer(world),
+        plan=asdict(plan), drafter=asdict(config), kernels=list(kernel_paths(manifest)),
+        incomplete_cache=incomplete if incomplete["missing"] else None,
+        resumed_from_step=resumed_from_step)
+
+
 def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | None, resume: bool, view, warn) -> dict:
     for name in cfg.report_to:  # a missing extra is one line before anything loads
         tracker_class(name).check_installed()
@@ -157,18 +176,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         out.mkdir(parents=True, exist_ok=True)
         trim_to_step(RunDir(out).train_log, at.step)
         trim_to_step(RunDir(out).verdicts, at.step)
-        write_run_record(out, RunRecord(
-            config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
-            target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
-            cache=reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
-            world_size=world, device=str(device), autocast=str(autocast_dtype(cfg, device)),
-            frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
-            slot_weights=describe_slot_weights(cfg.position_weight, gamma, cfg.dpace_alpha),
-            attention_path=path, draft_vocab=vocab_record,
-            optimizer=describe_optimizer(world),
-            plan=asdict(plan), drafter=asdict(config), kernels=list(kernel_paths(manifest)),
-            incomplete_cache=incomplete if incomplete["missing"] else None,
-            resumed_from_step=at.step))
+        write_run_record(out, run_record(cfg, reader, target_dir, facts, world=world, device=device, gamma=gamma,
+                                          attention_path=path, vocab_record=vocab_record, plan=plan, config=config,
+                                          incomplete=incomplete, resumed_from_step=at.step))
 
     trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=gamma)
     if world > 1:
@@ -213,6 +223,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
             "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
             "wall_s": round(time.perf_counter() - t_start, 2), "resumed": resumed,
             "verdicts": [v.line() for v in result.fired], "report_to": cfg.report_to,
-            "resumed_from_step": start_step if resumed else None,
-            "draft_vocab": None if vocab_record is None else
-            f"{vocab_record['size']:,} of {vocab_record['target_size']:,} tokens, covering {vocab_record['coverage']:.2%} of the labels"}
+            "resumed_from_step": start_step if resumed else None, "draft_vocab": describe_draft_vocab(vocab_record)}
+
+
+def describe_draft_vocab(record: dict | None) -> str | None:
+    """The draft vocabulary in the summary's words (None: the target's whole vocabulary)."""
+    if record is None:
+        return None
+    return f"{record['size']:,} of {record['target_size']:,} tokens, covering {record['coverage']:.2%} of the labels"
