@@ -94,7 +94,7 @@ FLOORS = [
     ("independent", ["pipeline.records"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
                 "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.machine", "pipeline.schedule",
-                "pipeline.threads",
+                "pipeline.sampling", "pipeline.threads",
                 "pipeline"]),
 ]
 
