@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.speculative.decode import Decoded, _choose, _finish, _follow, drafting
-from pipeline.speculative.sampling import TARGET, Sampling, draw_rows
+from pipeline.speculative.sampling import Sampling, target_tokens
 from pipeline.target_model.live import LiveTarget
 from pipeline.speculative.tree import DraftTree, top_lists, tree_of
 
@@ -115,14 +115,11 @@ def _choices(logits_RNV: torch.Tensor, trees: list[DraftTree], active: list[int]
              sampling: Sampling | None) -> list[list[int]]:
     """Per row, the target's token after each of its tree's tokens (0: the bonus; padding
     included), every row's in one read back to the host."""
-    if sampling is None:
-        return logits_RNV.argmax(-1).tolist()
     n = logits_RNV.shape[1]
-    out = []
+    keys = []
     for r, (i, tree) in enumerate(zip(active, trees)):
         depths = [0, *(d + 1 for d in tree.depths)]
         depths += [0] * (n - len(depths))                  # padding leaves: drawn, never read
-        out.append([(ids[i], starts[r] + 1 + d) for d in depths])
-    flat = [sampling.u(row, position, TARGET) for row_keys in out for row, position in row_keys]
-    drawn = draw_rows(sampling.warp(logits_RNV.reshape(-1, logits_RNV.shape[-1])), flat)
-    return [drawn[r * n:(r + 1) * n] for r in range(len(out))]
+        keys += [(ids[i], starts[r] + 1 + d) for d in depths]
+    chosen = target_tokens(logits_RNV.reshape(-1, logits_RNV.shape[-1]), keys, sampling)
+    return [chosen[r * n:(r + 1) * n] for r in range(len(trees))]

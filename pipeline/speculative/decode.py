@@ -17,7 +17,7 @@ import torch
 from pipeline.drafter.incremental import DraftContext
 from pipeline.target_model.live import LiveTarget
 from pipeline.target_model.plain_rows import decode_plainly
-from pipeline.speculative.sampling import TARGET, Sampling, draw_rows
+from pipeline.speculative.sampling import Sampling, target_tokens
 from pipeline.speculative.tree import build_tree
 
 
@@ -72,20 +72,12 @@ def greedy_rows(target: LiveTarget, prompts: list[list[int]], *, max_new: int, e
     results = [Decoded([]) for _ in prompts]
 
     def pick(logits: torch.Tensor, active: list[int]) -> list[int]:
-        positions = [len(prompts[i]) + len(results[i].tokens) for i in active]
-        return _choose_rows(logits, positions, sampling, [ids[i] for i in active])
+        return target_tokens(logits, [(ids[i], len(prompts[i]) + len(results[i].tokens)) for i in active], sampling)
 
     passes = decode_plainly(target, prompts, pick, lambda i, token: not _finish(results[i].tokens, [token], eos, max_new))
     for result, n in zip(results, passes):
         result.target_passes = n
     return results
-
-
-def _choose_rows(logits_RV: torch.Tensor, positions: list[int], sampling: Sampling | None, row_ids: list[int]) -> list[int]:
-    """`_choose` for each row of logits, in one read back to the host."""
-    if sampling is None:
-        return logits_RV.argmax(-1).tolist()
-    return draw_rows(sampling.warp(logits_RV), [sampling.u(row, position, TARGET) for row, position in zip(row_ids, positions)])
 
 
 @torch.no_grad()
@@ -270,9 +262,7 @@ class Chooser:
         """The target's token after each of N nodes (node i at depth depths[i]) from their logits,
         in one read back to the host: every node's, the walk then reads the ones it reaches (a
         sync per accepted token otherwise)."""
-        if self.sampling is None:
-            return logits_NV.argmax(-1).tolist()
-        return self.sampling.picks(self.row, [self.pos + 1 + d for d in depths], logits_NV)
+        return target_tokens(logits_NV, [(self.row, self.pos + 1 + d) for d in depths], self.sampling)
 
 
 def _verify_as_tree(target: LiveTarget, tree, bonus: int, state, pos: int, chooser: Chooser):

@@ -1,8 +1,8 @@
 """Sampled decoding and lossless speculative sampling (`pipeline eval --temperature T`).
 
-Distributions: the target's p and the drafter's q are both warped the way serving engines warp
-them (vLLM, transformers' generate): logits / temperature, then top-k, then top-p (the smallest
-set of most likely tokens whose mass reaches top_p), renormalised.
+Distributions: the target's p and the drafter's q are both warped by the one warp of
+pipeline/sampling.py (logits / temperature, then top-k, then top-p, renormalised: the serving
+engines' order), the warp `pipeline generate` samples from too.
 
 Block drafts (one drafter pass gives q_k for every slot k, none conditioned on the other draft
 tokens): draft token x_k ~ q_k; the target accepts it with probability min(1, p_k(x_k)/q_k(x_k)),
@@ -19,11 +19,11 @@ and c_2 is tried against it, and so on; when no child is accepted the token is d
 last residual. That is exactly drawing y ~ p and following the child equal to y (emitting y
 when none is): what `tree_choice` does, one draw per depth.
 
-Randomness is keyed, not streamed: every uniform number is a hash of (seed, prompt index,
-sequence position, purpose), so a prompt decodes the same tokens alone or in a batch of any
-size, in any order. A position's purposes (the draft, the acceptance test, the residual draw,
-a draw from p) use independent numbers; a draft redrawn at a position a rejection left
-undecided reuses its number, which no emitted token depended on.
+Randomness is keyed, not streamed (pipeline/sampling.py `uniform`): every number is a hash of
+(seed, prompt index, sequence position, purpose), so a prompt decodes the same tokens alone or in
+a batch of any size, in any order. A position's purposes (the draft, the acceptance test, the
+residual draw, a draw from p) use independent numbers; a draft redrawn at a position a rejection
+left undecided reuses its number, which no emitted token depended on.
 """
 
 from __future__ import annotations
@@ -32,42 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.sampling import Sampler, draw, draw_rows, uniform
+
 TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def uniform(seed: int, row: int, position: int, purpose: int) -> float:
-    """A number in [0, 1) determined by its key alone (53 random bits)."""
-    h = _splitmix64(seed & _MASK64)
-    for part in (row, position, purpose):
-        h = _splitmix64(h ^ (part & _MASK64))
-    return (h >> 11) * 2.0 ** -53
-
-
-def draw(probs: torch.Tensor, u: float) -> int:
-    """The token at which the cumulative distribution (in token order) first exceeds u: inverse
-    transform sampling with one number. Tokens of probability 0 are never drawn."""
-    cdf = probs.double().cumsum(-1)
-    # The search value is made where cdf lives (u * its total, one IEEE multiply as on the host):
-    # a host tensor here stops every sampled eval on a GPU at its first token.
-    index = int(torch.searchsorted(cdf, (cdf[-1:] * u), right=True))
-    return min(index, probs.shape[-1] - 1)
-
-
-def draw_rows(probs_NV: torch.Tensor, us: list[float]) -> list[int]:
-    """`draw` for each row with its own number, in one read back to the host (one GPU sync for
-    all rows instead of one each); the same tokens as `draw` row by row."""
-    cdf = probs_NV.double().cumsum(-1)
-    values = cdf[:, -1:] * torch.tensor(us, dtype=torch.float64, device=cdf.device)[:, None]
-    index = torch.searchsorted(cdf, values, right=True)[:, 0].clamp_max(probs_NV.shape[-1] - 1)
-    return index.tolist()
 
 
 class LosslessRule:
@@ -85,41 +52,17 @@ class LosslessRule:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = 0                # 0: no top-k
+class Sampling(Sampler):
+    """eval's sampling: the one sampler's warp and keyed draw (pipeline/sampling.py), its numbers
+    keyed by `seed`, and speculative sampling's rule."""
     seed: int = 0
     rule: LosslessRule = field(default_factory=LosslessRule, compare=False)
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     def record(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "rule": "speculative sampling: accept min(1, p/q), else the residual max(0, p - q); "
                         "DDTree: recursive rejection over deterministic children (draw from p, follow the match)",
                 "randomness": "keyed by (seed, prompt index, position, purpose): batch-size independent"}
-
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """Probabilities [..., V] (float32): temperature, then top-k, then top-p, renormalised."""
-        scaled = logits.float() / self.temperature
-        if self.top_k and self.top_k < scaled.shape[-1]:
-            kth = scaled.topk(self.top_k, dim=-1).values[..., -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if self.top_p < 1:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            before = sorted_probs.cumsum(-1) - sorted_probs      # mass of the more likely tokens
-            drop = before >= self.top_p                          # the most likely token is always kept
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
 
     def u(self, row: int, position: int, purpose: int) -> float:
         return uniform(self.seed, row, position, purpose)
@@ -150,11 +93,15 @@ class Sampling:
         n = len(drafts)
         return n, draw(p[n], self.u(row, pos + 1 + n, TARGET))
 
-    def picks(self, row: int, positions: list[int], logits_NV: torch.Tensor) -> list[int]:
-        """`pick` at each of `positions` from the matching row of logits, in one read back."""
-        return draw_rows(self.warp(logits_NV), [self.u(row, position, TARGET) for position in positions])
-
     def tree_logprobs(self, logits_DV: torch.Tensor) -> torch.Tensor:
         """log q for building the draft tree: the drafter's distribution at the same settings
         (tokens that top-k / top-p remove are -inf and never become nodes)."""
         return torch.log(self.warp(logits_DV))
+
+
+def target_tokens(logits_NV: torch.Tensor, keys: list[tuple[int, int]], sampling: Sampling | None) -> list[int]:
+    """The target's token from each row of logits, row n's at keys[n] = (prompt index, position):
+    the argmax, or a keyed draw from p; every row's in one read back to the host."""
+    if sampling is None:
+        return logits_NV.argmax(-1).tolist()
+    return sampling.draw_keyed(logits_NV, [sampling.u(row, position, TARGET) for row, position in keys])

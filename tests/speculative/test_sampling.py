@@ -18,7 +18,8 @@ import torch
 from pipeline.data.prompts import read_prompts
 from pipeline.speculative.batched import decode_rows
 from pipeline.speculative.decode import block_decode, drafting, tree_decode
-from pipeline.speculative.sampling import LosslessRule, Sampling, draw, uniform
+from pipeline.sampling import draw, uniform
+from pipeline.speculative.sampling import LosslessRule, Sampling
 from pipeline.target_model.live import LiveTarget
 from harness.sampling_stats import categories, chi_square, exact_continuations, simulated_power
 
