@@ -1,5 +1,5 @@
 """The target writing answers in this process (`pipeline generate` without --server): batched
-sampling with each sequence's own seed (pipeline/generate/sampling.py)."""
+sampling with each sequence's own seed (pipeline/generate/decoding.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pipeline.devices import dtype_name, resolve_device
 from pipeline.embedded import TARGET_DIR
 from pipeline.errors import PipelineError
 from pipeline.generate.assistant import parse_assistant
-from pipeline.generate.sampling import generate
+from pipeline.generate.decoding import generate
 from pipeline.generate.turns import Turn, Written
 from pipeline.target_model import end_of_turn_ids, load_target, read_target_facts
 from pipeline.target_model.live import LiveTarget
 
 
 class InProcess:
-    """The target's transformers model in this process (pipeline/generate/sampling.py)."""
+    """The target's transformers model in this process (pipeline/generate/decoding.py)."""
 
     def __init__(self, target_dir: Path, tokenizer, *, device: str, dtype: str, max_new_tokens: int, temperature: float,
                  top_p: float, batch_size: int):

@@ -1,5 +1,5 @@
 """Plain decoding of several prompts at once, one target pass per token for all of them: the loop
-that `pipeline generate` (pipeline/generate/sampling.py) and eval's plain reference
+that `pipeline generate` (pipeline/generate/decoding.py) and eval's plain reference
 (pipeline/speculative/decode.py `greedy_rows`) share. Each prompt is prefilled on its own, then the
 rows share a cache whose key/value slots are marked per row (`LiveTarget.prefill_rows` /
 `step_rows`), so a prompt decodes as it would alone; a prompt that is done leaves the batch. The

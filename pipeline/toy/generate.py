@@ -13,7 +13,7 @@ conversation with a turn that never ends, does not render back, or chains more t
 answers to one user turn is dropped, never cut.
 
 All live conversations decode together, one batch per round of turns
-(pipeline/generate/sampling.py: prompts of any lengths, each as it would decode alone).
+(pipeline/generate/decoding.py: prompts of any lengths, each as it would decode alone).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pipeline.data.loss_mask import generation_prompt, render
 from pipeline.generate.assistant import parse_assistant
-from pipeline.generate.sampling import generate
+from pipeline.generate.decoding import generate
 from pipeline.target_model.live import LiveTarget
 from pipeline.toy.tasks import Conversation, run_tool
 

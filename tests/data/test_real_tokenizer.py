@@ -220,7 +220,7 @@ def test_prefill_computes_one_row_of_logits(real):
     (the others' logits are never read): counted at the lm_head, against a plain forward."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.generate.sampling import generate
+    from pipeline.generate.decoding import generate
     from pipeline.speculative.decode import greedy
     from pipeline.target_model.live import LiveTarget
 
