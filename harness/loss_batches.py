@@ -6,15 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.cache.schema import (
-    HIDDEN,
-    INPUT_IDS,
-    LOSS_MASK,
-    TARGET_ARGMAX,
-    TARGET_LOGSUMEXP,
-    TARGET_TOPK_IDS,
-    TARGET_TOPK_LOGITS,
-)
+from pipeline.cache.schema import (HIDDEN, INPUT_IDS, LOSS_MASK, TARGET_ARGMAX, TARGET_LOGSUMEXP, TARGET_TOPK_IDS,
+                                   TARGET_TOPK_LOGITS)
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.training.batch import anchor_generator, pack, prepare
 

@@ -27,15 +27,7 @@ from typing import Any
 from pipeline.cache.identity import Difference, Identity, shard_claims, shard_field_name
 from pipeline.cache.address import open_location
 from pipeline.cache.location import Location
-from pipeline.cache.schema import (
-    FORMAT_NAME,
-    MANIFEST,
-    MAX_SHARDS,
-    SCHEMA_VERSION,
-    check_dims,
-    shard_index,
-    shard_name,
-)
+from pipeline.cache.schema import FORMAT_NAME, MANIFEST, MAX_SHARDS, SCHEMA_VERSION, check_dims, shard_index, shard_name
 from pipeline.errors import PipelineError
 from pipeline.records.typed import RecordFieldError, dump_record, parse_record, stored_as
 

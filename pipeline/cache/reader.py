@@ -20,18 +20,8 @@ from pipeline.cache.local_copy import LocalCopies
 from pipeline.cache.address import open_location
 from pipeline.cache.location import Location
 from pipeline.cache.manifest import describe_foreign, read_manifest
-from pipeline.cache.schema import (
-    HARD_LABEL,
-    HIDDEN,
-    OFFSETS,
-    SAMPLE_ID,
-    SAMPLE_TOKENS,
-    SOFT_LABEL,
-    array_specs,
-    file_key,
-    role_names,
-    shard_name,
-)
+from pipeline.cache.schema import (HARD_LABEL, HIDDEN, OFFSETS, SAMPLE_ID, SAMPLE_TOKENS, SOFT_LABEL, array_specs,
+                                   file_key, role_names, shard_name)
 from pipeline.cache.sharded import ChunkCache, ShardedArray
 from pipeline.config import parse_size
 from pipeline.errors import PipelineError

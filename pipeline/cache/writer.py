@@ -27,17 +27,8 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from pipeline.cache.commit import DigestingStore, record_bytes
 from pipeline.files import describe_os_error, digest_of_files
 from pipeline.cache.location import Location
-from pipeline.cache.schema import (
-    DIGESTS,
-    FILE_KEY_SEPARATOR,
-    INPUT_IDS,
-    OFFSETS,
-    SAMPLE_ID,
-    Chunking,
-    array_specs,
-    inner_shape,
-    shard_name,
-)
+from pipeline.cache.schema import (DIGESTS, FILE_KEY_SEPARATOR, INPUT_IDS, OFFSETS, SAMPLE_ID, Chunking, array_specs,
+                                   inner_shape, shard_name)
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
 

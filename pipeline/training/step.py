@@ -15,16 +15,8 @@ import torch.distributed as dist
 
 from pipeline.cache.schema import SAMPLE_ID
 from pipeline.config import TrainConfig, parse_loss
-from pipeline.training.batch import (
-    anchor_generator,
-    final_hidden,
-    forward_logits,
-    loss_sum,
-    noise_generator,
-    pack,
-    placeholder,
-    prepare,
-)
+from pipeline.training.batch import (anchor_generator, final_hidden, forward_logits, loss_sum, noise_generator, pack,
+                                     placeholder, prepare)
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine

@@ -11,18 +11,8 @@ import numpy as np
 from pipeline.verify.bounded_reads import sample_windows, sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import (
-    HARD_LABEL,
-    INPUT_IDS,
-    LOSS_MASK,
-    SAMPLE_TOKENS,
-    SOFT_LABEL,
-    TARGET_ARGMAX,
-    TARGET_LOGSUMEXP,
-    TARGET_TOPK_IDS,
-    TARGET_TOPK_LOGITS,
-    role_names,
-)
+from pipeline.cache.schema import (HARD_LABEL, INPUT_IDS, LOSS_MASK, SAMPLE_TOKENS, SOFT_LABEL, TARGET_ARGMAX,
+                                   TARGET_LOGSUMEXP, TARGET_TOPK_IDS, TARGET_TOPK_LOGITS, role_names)
 from pipeline.errors import PipelineError
 
 

@@ -17,18 +17,8 @@ import torch
 from pipeline.verify.bounded_reads import shard_tokens, sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import (
-    HARD_LABEL,
-    HIDDEN,
-    INPUT_IDS,
-    SAMPLE_ID,
-    SOFT_LABEL,
-    TARGET_ARGMAX,
-    TARGET_LOGSUMEXP,
-    TARGET_TOPK_IDS,
-    TARGET_TOPK_LOGITS,
-    role_names,
-)
+from pipeline.cache.schema import (HARD_LABEL, HIDDEN, INPUT_IDS, SAMPLE_ID, SOFT_LABEL, TARGET_ARGMAX,
+                                   TARGET_LOGSUMEXP, TARGET_TOPK_IDS, TARGET_TOPK_LOGITS, role_names)
 from pipeline.target_model.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
 from pipeline.target_model.kernels import kernel_record

@@ -1,5 +1,4 @@
-"""What `pipeline cache-info` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline cache-info` prints: the cache's identity, completeness and provenance, or --json's document."""
 
 from __future__ import annotations
 

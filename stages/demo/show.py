@@ -1,5 +1,4 @@
-"""What `pipeline demo` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline demo` prints: each step as it starts, then the cache, training and eval figures, or --json's document."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What `pipeline eval` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline eval` prints: tau per variant, per kind of turn and per field, and lossless or not; or --json's document."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What `pipeline extract` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline extract` prints: the shards written, tokens and bytes (--dry-run: the bill), or --json's document."""
 
 from __future__ import annotations
 

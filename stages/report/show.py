@@ -1,5 +1,4 @@
-"""What `pipeline report` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline report` prints: verdicts, rolling windows, extrapolation and the runs compared, or --json's document(s)."""
 
 from __future__ import annotations
 

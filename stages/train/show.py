@@ -1,5 +1,4 @@
-"""What `pipeline train` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline train` prints at its end: steps, the last logged metrics and where the drafter went, or --json's document."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What `pipeline verify-cache` prints when it finishes: a rich table for people, or with `--json`
-the result as one JSON document on stdout (untouched, so scripts see every field the tables leave out)."""
+"""What `pipeline verify-cache` prints: one row per check, its status and what it found, or --json's document."""
 
 from __future__ import annotations
 
