@@ -1,4 +1,4 @@
-"""Write the odd prompts (pipeline/speculative/odd_prompts.py) as JSONL for `pipeline eval --prompts`.
+"""Write the odd prompts (pipeline/eval/odd_prompts.py) as JSONL for `pipeline eval --prompts`.
 
     python benchmarks/decoding/odd_prompts.py --out odd.jsonl
     pipeline eval --drafter RUN --prompts odd.jsonl --tree-budget 16,64 --json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.speculative.odd_prompts import odd_conversations  # noqa: E402
+from pipeline.eval.odd_prompts import odd_conversations  # noqa: E402
 
 
 def main() -> None:

@@ -31,9 +31,9 @@ from harness.simulated_device import simulated_accelerator  # noqa: E402
 from pipeline import embedded  # noqa: E402
 from pipeline.data.prompts import read_prompts  # noqa: E402
 from pipeline.drafter.export import load_drafter  # noqa: E402
-from pipeline.speculative.batched import decode_rows  # noqa: E402
-from pipeline.speculative.decode import block_decode, greedy, tree_decode  # noqa: E402
-from pipeline.speculative.sampling import Sampling  # noqa: E402
+from pipeline.eval.batched import decode_rows  # noqa: E402
+from pipeline.eval.decode import block_decode, greedy, tree_decode  # noqa: E402
+from pipeline.eval.sampling import Sampling  # noqa: E402
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer  # noqa: E402
 from pipeline.target_model.live import LiveTarget  # noqa: E402
 from stages.train.run import resolve_config, run_train  # noqa: E402

@@ -28,7 +28,7 @@ each checked against the pipeline's own computation on the embedded held-out row
    vLLM's acceptance length (1 + accepted draft tokens per draft, from its Prometheus counters
    read around each group of prompts) beside `pipeline eval`'s pooled tau on the same prompts
    (bf16, block only), overall and per kind of turn (classified as eval does:
-   pipeline/speculative/groups.py, on vLLM's greedy output).
+   pipeline/eval/groups.py, on vLLM's greedy output).
 
 vLLM runs with one thread, bf16 (the CPU Gated DeltaNet runs bf16 only), on 127.0.0.1, one
 server at a time. Progress lines go to stdout; everything measured to WORK/summary.json.
@@ -60,9 +60,9 @@ from pipeline.data.prompts import read_prompts  # noqa: E402
 from pipeline.embedded import HELDOUT_DATA, TARGET_DIR  # noqa: E402
 from pipeline.generate.server import Server, openai_messages  # noqa: E402
 from pipeline.generate.turns import Turn  # noqa: E402
-from pipeline.speculative.decode import Decoded  # noqa: E402
-from pipeline.speculative.groups import KINDS, TurnMarkers, turn_kind  # noqa: E402
-from pipeline.speculative.ties import judge_departures  # noqa: E402
+from pipeline.eval.decode import Decoded  # noqa: E402
+from pipeline.eval.groups import KINDS, TurnMarkers, turn_kind  # noqa: E402
+from pipeline.eval.ties import judge_departures  # noqa: E402
 from pipeline.target_model import end_of_turn_ids, load_target, load_tokenizer  # noqa: E402
 from pipeline.target_model.live import LiveTarget  # noqa: E402
 
@@ -273,7 +273,7 @@ def generate(rows: Path, out: Path, max_new: int, target: Path, *extra) -> dict:
 
 def judged(target: Path, prompts: list[list[int]], outputs: list[list[int]], reference: list[list[int]]) -> list:
     """Where each output parts from its reference, judged as eval judges its own departures
-    (pipeline/speculative/ties.py): by one plain bf16 forward of the target over the common
+    (pipeline/eval/ties.py): by one plain bf16 forward of the target over the common
     prefix, a tie when both tokens are within rounding of its best logit. vLLM's bf16 kernels
     are not batch-invariant, nor a verify block's numerics a decode step's."""
     if outputs == reference:

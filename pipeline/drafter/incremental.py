@@ -11,7 +11,7 @@ a sliding-window layer reads only the window's.
 A step runs the model's own layers (`DFlashDrafter.block_states`), handing them the cached keys
 and values instead of the context features: the same computation per row as
 `DFlashDrafter.forward` with the dense mask (eval's reference path). tests/drafter/test_incremental.py
-checks the logits against that forward; tests/speculative/test_eval.py the drafts, token for token.
+checks the logits against that forward; tests/eval/test_eval.py the drafts, token for token.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The variants, in one registry: a kind is either one variant (block: `result["blo
 per parameter value (DDTree, per node budget: `result["tree"]["<budget>"]`). Everything that
 walks eval's results (per-kind and per-field groups, the summary table, trackers, the demo,
 `pipeline report`) goes through `variants_in` / `flat_in`, so a new kind is one `Kind` here and
-its decoder (pipeline/speculative/variants.py)."""
+its decoder (pipeline/eval/variants.py)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ class EvalResult:
     batch_size: int
     sampling: dict | None                      # temperature, top_p, top_k, seed; None: greedy
     reference: dict                            # plain greedy's (plain sampling's) tokens, time, passes
-    variants: dict[Variant, dict]              # each variant's figures (speculative/summary.py)
+    variants: dict[Variant, dict]              # each variant's figures (pipeline/eval/summary.py)
     # Greedy: every output is greedy's or departs at a tie of the target. Sampled: None, lossless in
-    # distribution by the rule (tests/speculative/test_sampling.py).
+    # distribution by the rule (tests/eval/test_sampling.py).
     lossless: bool | None
     by_kind: dict = field(default_factory=dict)
     by_field: dict | None = None
@@ -126,7 +126,7 @@ def reference_key(sampled: bool) -> str:
 
 
 # Where a decoded output departs from greedy other than at a tie, eval writes one record per
-# prompt under "mismatches" (pipeline/speculative/summary.py). Before issue 57 a list of the same
+# prompt under "mismatches" (pipeline/eval/summary.py). Before issue 57 a list of the same
 # prompts' numbers sat beside it as "mismatched_prompts", and before the records (issue 40) it was
 # the only list: `_current` reads both shapes as today's.
 LEGACY_MISMATCHES = "mismatched_prompts"

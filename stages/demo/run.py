@@ -31,7 +31,7 @@ from stages.verify_cache.run import run_verify
 
 # eval decodes 8 prompts per target pass (`eval --batch-size 8`), the variants and the greedy
 # reference alike: each prompt's drafts, accepted tokens and greedy tokens are the ones it gets
-# alone (tests/speculative/test_eval.py), so every tau is unchanged; on 2 CPU cores the demo's eval
+# alone (tests/eval/test_eval.py), so every tau is unchanged; on 2 CPU cores the demo's eval
 # is a fifth shorter (BENCHMARKS "The newcomer's hour"). The speedup over greedy is batch 8
 # against batch 8 (`eval_batch_size`).
 FULL = {"conversations": None, "shards": 8, "max_steps": None, "prompts": None, "budgets": [16, 64], "eval_batch": 8}

@@ -7,11 +7,11 @@ bug and is reported). tau (accepted draft tokens + 1 per verify step) is reporte
 of per-response means (as the DFlash paper does) and pooled over all steps.
 
 With `--temperature T > 0` the reference is plain sampling and the variants are speculative
-sampling (pipeline/speculative/sampling.py): lossless in distribution, which one sample per
-prompt cannot show, so outputs are not compared; tests/speculative/test_sampling.py tests it.
+sampling (pipeline/eval/sampling.py): lossless in distribution, which one sample per
+prompt cannot show, so outputs are not compared; tests/eval/test_sampling.py tests it.
 
 With `--outputs FILE` every prompt's outputs are written as they are decoded, a JSON line per prompt
-(pipeline/speculative/outputs.py).
+(pipeline/eval/outputs.py).
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from pipeline.drafter.export import load_drafter
 from pipeline.records.eval_result import EvalResult, reference_key, variants_of
 from pipeline.records.run_dir import RunDir
 from pipeline.training.run_record import resolve_drafter, target_mismatch
-from pipeline.speculative.teacher_forced import teacher_forced
+from pipeline.eval.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError
-from pipeline.speculative.compare import REFERENCE, decode_variants
-from pipeline.speculative.decode import TREE_VERIFY, choose_tree_verify
-from pipeline.speculative.groups import TurnMarkers, by_field, by_kind
-from pipeline.speculative.outputs import OutputsWriter, check_outputs_path
-from pipeline.speculative.sampling import Sampling
-from pipeline.speculative.summary import summarise
-from pipeline.speculative.ties import judge_departures
-from pipeline.speculative.variants import Settings
+from pipeline.eval.compare import REFERENCE, decode_variants
+from pipeline.eval.decode import TREE_VERIFY, choose_tree_verify
+from pipeline.eval.groups import TurnMarkers, by_field, by_kind
+from pipeline.eval.outputs import OutputsWriter, check_outputs_path
+from pipeline.eval.sampling import Sampling
+from pipeline.eval.summary import summarise
+from pipeline.eval.ties import judge_departures
+from pipeline.eval.variants import Settings
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer, read_target_facts, resolve_target
 from pipeline.target_model.internals import takes_mask
 from pipeline.target_model.live import LiveTarget
@@ -49,8 +49,8 @@ from stages.eval.options import EvalOptions
 def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -> dict:
     """Decode every prompt with each variant; `progress(n, tokens=, note=)` per batch of prompts,
     `on_total(prompts)` once they are read. tau is also reported per kind of turn and, with
-    `group_by`, per value of that row field (pipeline/speculative/groups.py). `outputs`: a JSONL
-    file of what each prompt decoded, streamed per batch of prompts (pipeline/speculative/outputs.py)."""
+    `group_by`, per value of that row field (pipeline/eval/groups.py). `outputs`: a JSONL
+    file of what each prompt decoded, streamed per batch of prompts (pipeline/eval/outputs.py)."""
     o = options
     if o.outputs is not None:  # a path eval could not write is one line before any decoding
         check_outputs_path(Path(o.outputs))
@@ -171,7 +171,7 @@ def check_decoding_options(tree_verify: str, batch_size: int) -> None:
 
 def tree_verification(model, tree_verify: str, tree_budgets: list[int], batch_size: int) -> tuple[str, str]:
     """(how DDTree's trees are verified, why): as asked, or for "auto" by the target's size
-    without its embeddings (pipeline/speculative/decode.py: choose_tree_verify)."""
+    without its embeddings (pipeline/eval/decode.py: choose_tree_verify)."""
     reason = "asked for"
     if tree_verify == "auto":
         embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None

@@ -21,10 +21,10 @@ from pipeline.config import ExtractConfig
 from pipeline.data.prompts import read_prompts
 from pipeline.drafter.export import load_drafter
 from pipeline.drafter.vocab import DraftVocab
-from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import block_decode, greedy, greedy_rows, tree_decode
+from pipeline.eval.batched import decode_rows
+from pipeline.eval.decode import block_decode, greedy, greedy_rows, tree_decode
 from pipeline.sampling import draw
-from pipeline.speculative.sampling import Sampling
+from pipeline.eval.sampling import Sampling
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target
 from pipeline.target_model.live import LiveTarget
 from stages.eval.options import EvalOptions

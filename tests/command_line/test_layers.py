@@ -96,7 +96,7 @@ def test_the_cli_imports_without_torch():
 FLOORS = [
     ("independent", ["pipeline.toy"]),
     # evaluation: its teacher-forced walk takes training's batches and metrics
-    ("independent", ["pipeline.speculative"]),
+    ("independent", ["pipeline.eval"]),
     ("independent", ["pipeline.extract", "pipeline.verify", "pipeline.training", "pipeline.generate"]),
     ("independent", ["pipeline.cache", "pipeline.data"]),
     ("independent", ["pipeline.target_model"]),

@@ -51,6 +51,6 @@ def test_every_stage_flows_at_the_flagship_widths(tmp_path, capsys):
     stages = {s["stage"]: s for s in json.loads(done.stdout)["stages"]}
     assert len(stages["extract tp 8 bf16 (bucket)"]["ranks"]) == 8  # each rank's peak memory
     assert len(stages["train 2 rank(s), killed after its step-2 checkpoint"]["ranks"]) == 2
-    ev = summary["eval"]  # in bf16 an output may part from greedy at a tie of the target (pipeline/speculative/ties.py)
+    ev = summary["eval"]  # in bf16 an output may part from greedy at a tie of the target (pipeline/eval/ties.py)
     assert ev["lossless"] and ev["block_identical"] + ev["block_departed_at_ties"] == 2
     assert ev["tree_identical"] + ev["tree_departed_at_ties"] == 2

@@ -17,8 +17,8 @@ import torch
 from pipeline.drafter.incremental import DraftContext
 from pipeline.target_model.live import LiveTarget
 from pipeline.target_model.plain_rows import decode_plainly
-from pipeline.speculative.sampling import Sampling, target_tokens
-from pipeline.speculative.tree import build_tree
+from pipeline.eval.sampling import Sampling, target_tokens
+from pipeline.eval.tree import build_tree
 
 
 @dataclass

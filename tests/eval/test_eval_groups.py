@@ -11,7 +11,7 @@ from harness.runs import REPO, cli_here
 
 from pipeline.data.loss_mask import render
 from pipeline.errors import PipelineError
-from pipeline.speculative.groups import MISSING, TurnMarkers, turn_kind
+from pipeline.eval.groups import MISSING, TurnMarkers, turn_kind
 from stages.eval.options import EvalOptions
 from stages.eval.run import run_eval
 

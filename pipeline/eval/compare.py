@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from pipeline.records.eval_result import Variant
-from pipeline.speculative.decode import Decoded
-from pipeline.speculative.variants import Settings, decode, reference as plain
+from pipeline.eval.decode import Decoded
+from pipeline.eval.variants import Settings, decode, reference as plain
 from pipeline.target_model.live import LiveTarget
 
 REFERENCE = "greedy"  # the reference's timing key, whether it is greedy or plain sampling

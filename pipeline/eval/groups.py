@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.records.eval_result import Variant, nest
-from pipeline.speculative.decode import Decoded
-from pipeline.speculative.summary import tau_figures
+from pipeline.eval.decode import Decoded
+from pipeline.eval.summary import tau_figures
 
 KINDS = ("thinking", "non_thinking", "tool_call")
 MISSING = "(none)"  # the group of rows without the --group-by field

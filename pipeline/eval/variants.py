@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.records.eval_result import Variant
-from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import Decoded, block_decode, greedy, greedy_rows, tree_decode
-from pipeline.speculative.sampling import Sampling
+from pipeline.eval.batched import decode_rows
+from pipeline.eval.decode import Decoded, block_decode, greedy, greedy_rows, tree_decode
+from pipeline.eval.sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import pytest
 from harness.runs import cli_here
 
 from pipeline.data.prompts import read_prompts
-from pipeline.speculative.decode import greedy
-from pipeline.speculative.groups import KINDS
-from pipeline.speculative.sampling import Sampling
+from pipeline.eval.decode import greedy
+from pipeline.eval.groups import KINDS
+from pipeline.eval.sampling import Sampling
 from pipeline.target_model import end_of_turn_ids
 from pipeline.target_model.live import LiveTarget
 from stages.eval.options import EvalOptions

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.speculative.decode import Decoded, _choose, _finish, _follow, drafting
-from pipeline.speculative.sampling import Sampling, target_tokens
+from pipeline.eval.decode import Decoded, _choose, _finish, _follow, drafting
+from pipeline.eval.sampling import Sampling, target_tokens
 from pipeline.target_model.live import LiveTarget
-from pipeline.speculative.tree import DraftTree, top_lists, tree_of
+from pipeline.eval.tree import DraftTree, top_lists, tree_of
 
 
 def _chain(drafts: list[int]) -> DraftTree:

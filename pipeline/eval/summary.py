@@ -1,14 +1,14 @@
 """One decoding variant's results over all prompts, summarised against greedy decoding: tau (the
 mean of per-response means, as the DFlash paper reports it, and pooled over all verify steps),
 the acceptance histogram, target passes and wall time, and whether every output is greedy's (or
-departs from it only at a tie of the target: pipeline/speculative/ties.py)."""
+departs from it only at a tie of the target: pipeline/eval/ties.py)."""
 
 from __future__ import annotations
 
 import statistics
 
-from pipeline.speculative.decode import Decoded
-from pipeline.speculative.ties import Departure, first_difference
+from pipeline.eval.decode import Decoded
+from pipeline.eval.ties import Departure, first_difference
 
 
 def summarise(runs: list[Decoded], reference: list[Decoded], seconds: float, greedy_seconds: float, block: int,

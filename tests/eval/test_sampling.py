@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from pipeline.data.prompts import read_prompts
-from pipeline.speculative.batched import decode_rows
-from pipeline.speculative.decode import block_decode, drafting, tree_decode
+from pipeline.eval.batched import decode_rows
+from pipeline.eval.decode import block_decode, drafting, tree_decode
 from pipeline.sampling import draw, uniform
-from pipeline.speculative.sampling import LosslessRule, Sampling
+from pipeline.eval.sampling import LosslessRule, Sampling
 from pipeline.target_model.live import LiveTarget
 from harness.sampling_stats import categories, chi_square, exact_continuations, simulated_power
 
@@ -264,7 +264,7 @@ def test_greedy_decoding_from_a_draft_vocabulary_is_the_target_greedy(live, draf
     decoding still emit the target's greedy tokens, its drafts stay inside the vocabulary, and some
     are accepted (the comparison is not vacuous)."""
     from harness.draft_vocab import with_draft_vocab
-    from pipeline.speculative.decode import greedy
+    from pipeline.eval.decode import greedy
 
     chosen = prompts[:3]
     plain = [greedy(live, p, max_new=24, eos=EOS).tokens for p in chosen]

@@ -7,7 +7,7 @@ greedy, or plain sampling under "plain_sampling"), and per variant (where eval's
 greedy, where it departed from greedy (ties.judge_departures' record; null when it did not).
 
 Streamed: eval decodes a batch of prompts (`--batch-size`) with the reference and every variant
-before the next (speculative/compare.py), so the batch's lines are written, and flushed, as soon
+before the next (compare.py), so the batch's lines are written, and flushed, as soon
 as its last variant is done (one prompt at a time by default). They go to FILE.partial, renamed
 to FILE once every prompt's line is in: a file under the name asked for is complete, and a killed
 eval leaves FILE.partial, whose newline-terminated lines are complete. Costs the tokenizer's
@@ -23,9 +23,9 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.files import fsync_dir
 from pipeline.records.eval_result import Variant, nest
-from pipeline.speculative.decode import Decoded
-from pipeline.speculative.groups import TurnMarkers, turn_kind
-from pipeline.speculative.ties import Departure
+from pipeline.eval.decode import Decoded
+from pipeline.eval.groups import TurnMarkers, turn_kind
+from pipeline.eval.ties import Departure
 
 PARTIAL = ".partial"  # the name a file has while eval writes it
 
