@@ -87,8 +87,8 @@ def _user_errors(exit_code: int = 1):
 COMMANDS = [("extract", extract, 1), ("train", train, 1), ("generate", generate, 1), ("eval", eval_, 1),
             ("report", report, 1), ("verify-cache", verify_cache, 2), ("demo", demo, 1),
             ("cache-info", cache_info, 1), ("target-info", target_info, 1)]
-for name, run, exit_code in COMMANDS:
-    app.command(name)(_user_errors(exit_code)(run))
+for _name, _command, _exit_code in COMMANDS:
+    app.command(_name)(_user_errors(_exit_code)(_command))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Presets (target facts + drafter recipe) as TOML files, and the cache/checkpoint schema versions.
+"""Presets (target facts + drafter recipe) as TOML files.
 
 A preset is data, not code: `presets/NAME.toml` (this folder). Consumers read the taps from the
 preset (and later from the cache manifest), never recompute them silently.

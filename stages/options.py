@@ -5,6 +5,7 @@ same in every command that has it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.config import option
 
@@ -28,3 +29,11 @@ class Seeded:
 @dataclass(kw_only=True)
 class ShardSelection:
     shards: str | None = option(None, help="Only these shards, e.g. '0-63' or '3,5,8-11' (default: all).")
+
+
+def config_file(given: Path | None, default_name: str) -> Path | None:
+    """The TOML file a command reads: --config as given, else ./NAME where the working directory
+    has one (extract.toml, train.toml), else none."""
+    if given is not None or not Path(default_name).is_file():
+        return given
+    return Path(default_name)

@@ -14,6 +14,7 @@ from pipeline.files import write_json_atomic
 from pipeline.records.run_dir import RunDir
 from pipeline.records.typed import dump_record
 
+
 @dataclass(frozen=True)
 class RunRecord:
     target: str                             # the target directory the run resolved

@@ -1,6 +1,7 @@
 """A training run directory's layout (`pipeline train --out RUN`), named once: every command that
 writes or reads a file of a run (train, its checkpoints and claim, the trackers, eval, report, the
-demo) asks `RunDir` where it is, so a name cannot drift between its writer and its readers.
+demo) asks `RunDir` where it is, so a name cannot drift between its writer and its readers (the
+benchmarks, which measure rather than ship, may spell a path themselves).
 
     RUN/
       drafter/                  the export (DESIGN 8: config.json + model.safetensors), written at the end
@@ -15,7 +16,8 @@ demo) asks `RunDir` where it is, so a name cannot drift between its writer and i
       trackers.json             each tracker's run id, so a resumed run continues it (tracking/)
       tensorboard/              TensorBoard's event files
       mlflow.db, mlartifacts/   MLflow's own store, when $MLFLOW_TRACKING_URI is not set
-      wandb/                    W&B's offline runs (W&B names it under the directory it is given: RUN)
+      wandb/                    W&B's offline runs (W&B names it itself under the directory it is given,
+                                RUN; no property here)
 
 The README (Training: Output, One training per run directory; Trackers) promises these names, and
 tests/training/test_run_dir.py holds the two to each other.

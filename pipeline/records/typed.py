@@ -8,8 +8,9 @@ JSON key (`stored_as`), carry a human name for messages (`label`), or be kept ou
 The one record mechanism of the pipeline, on the records' floor so that every package may use it.
 The cache manifest and its identity (pipeline/cache/manifest.py, identity.py) are read with
 `parse_record` because they are untrusted input: nothing is built from a value before its type is
-checked. The run's own files (the other modules here) are written with `dump_record`; their readers
-stay tolerant by design (older files, keys a newer pipeline added, values kept as written), which
+checked. run.json and verify-cache's result are written with `dump_record` (the train log, eval's
+result and the verdicts keep writers of their own, which order and round their fields); the run
+files' readers stay tolerant by design (older files, keys a newer pipeline added, values kept as written), which
 this strict reader is not.
 """
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.records.run_dir import RunDir
 
+
 def append_verdict(run_dir: Path, verdict: dict) -> None:
     with open(RunDir(run_dir).verdicts, "a", encoding="utf-8") as f:
         f.write(json.dumps(verdict) + "\n")

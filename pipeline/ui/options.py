@@ -70,7 +70,7 @@ def _parameter(cls, f: dataclasses.Field, hint, *, overrides: bool) -> inspect.P
     if f.metadata.get("argument"):
         marker = typer.Argument(help=f.metadata["help"], show_default=default not in (None, dataclasses.MISSING))
     else:
-        marker = typer.Option(*decls, help=f.metadata["help"])
+        marker = typer.Option(*decls, help=f.metadata["help"], metavar=f.metadata.get("metavar"))
     annotation = Annotated[Optional[kind] if default is None else kind, marker]
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                              default=inspect.Parameter.empty if default is dataclasses.MISSING else default)

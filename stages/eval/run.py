@@ -73,6 +73,8 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
         warn(f"the target {target_dir} is not the one this drafter was trained against ({recorded.source} recorded "
              f"{recorded.path}): its {mismatch} differ; decoding stays lossless, but the drafts were learned for another model")
     drafter = fitting_drafter(drafter_dir, target_dir, o, device_, dtype_)
+    if any(b < 1 for b in o.tree_budget):
+        raise PipelineError(f"--tree-budget values must be >= 1, got {o.tree_budget}")
     tokenizer = load_tokenizer(target_dir)
     model = load_target(target_dir, dtype=dtype_).to(device_)
     live = LiveTarget(model, drafter.config.target_layer_ids)
@@ -129,7 +131,8 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
         outputs=str(o.outputs) if o.outputs is not None else None)
     if report_to:
         result.reported_to = {"trackers": report_to,
-                              "at_step": report_eval(report_to, run_dir=drafter_dir.parent, result=result, warn=warn)}
+                              "at_step": report_eval(report_to, run_dir=RunDir.holding(drafter_dir).path, result=result,
+                                                        warn=warn)}
     return result.to_json()
 
 
@@ -147,8 +150,6 @@ def fitting_drafter(drafter_dir: Path, target_dir: Path, o: EvalOptions, device,
     block = o.block_size or c.block_size
     if not 2 <= block <= c.block_size:
         raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
-    if any(b < 1 for b in o.tree_budget):
-        raise PipelineError(f"--tree-budget values must be >= 1, got {o.tree_budget}")
     c.block_size = block
     return drafter
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pipeline.config import ExtractConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.ui.options import command
 from stages.extract.options import ExtractOptions
 from stages.extract.show import show_extract, show_extract_dry
+from stages.options import config_file
 
 
 @command(ExtractOptions, config=ExtractConfig)
@@ -17,7 +16,7 @@ def extract(options: ExtractOptions, overrides: dict) -> None:
     from stages.extract.run import run_extract, run_extract_dry  # imports torch: `pipeline --help` stays fast
 
     o = options
-    config = o.config if o.config is not None or not Path("extract.toml").is_file() else Path("extract.toml")
+    config = config_file(o.config, "extract.toml")
     if o.thinking is not None:
         base = load_config(ExtractConfig, config, {}, section="extract").chat_template_kwargs
         overrides["chat_template_kwargs"] = {**base, "enable_thinking": o.thinking}

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pipeline.config import TrainConfig
 from pipeline.ui import TrainView, warning
 from pipeline.ui.options import command
+from stages.options import config_file
 from stages.train.options import TrainOptions
 from stages.train.show import show_train
 
@@ -17,7 +16,7 @@ def train(options: TrainOptions, overrides: dict) -> None:
     from pipeline.distributed import launched_rank  # imports torch: `pipeline --help` stays fast
     from stages.train.run import resolve_config, run_train
 
-    config = options.config if options.config is not None or not Path("train.toml").is_file() else Path("train.toml")
+    config = config_file(options.config, "train.toml")
     cfg, preset_target = resolve_config(config, overrides)
     rank0 = launched_rank() == 0
     summary = run_train(cfg, preset_target=preset_target, resume=options.resume,

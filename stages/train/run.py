@@ -115,11 +115,10 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
             claim.release()
 
 
-def run_record(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: int, device, gamma: float, attention_path: str,
-               vocab_record, plan, config, incomplete: dict, resumed_from_step: int) -> RunRecord:
+def describe_run(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: int, device, frozen_dtype, gamma: float,
+                 attention_path: str, vocab_record, plan, config, incomplete: dict, resumed_from_step: int) -> RunRecord:
     """What RUN/run.json says of this run: its config, target, cache, placement and plan."""
     manifest = reader.manifest
-    frozen_dtype = autocast_dtype(cfg, device) or torch.float32
     return RunRecord(
         config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
         target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
@@ -176,9 +175,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         out.mkdir(parents=True, exist_ok=True)
         trim_to_step(RunDir(out).train_log, at.step)
         trim_to_step(RunDir(out).verdicts, at.step)
-        write_run_record(out, run_record(cfg, reader, target_dir, facts, world=world, device=device, gamma=gamma,
-                                          attention_path=path, vocab_record=vocab_record, plan=plan, config=config,
-                                          incomplete=incomplete, resumed_from_step=at.step))
+        write_run_record(out, describe_run(cfg, reader, target_dir, facts, world=world, device=device,
+                                           frozen_dtype=frozen_dtype, gamma=gamma, attention_path=path,
+                                           vocab_record=vocab_record, plan=plan, config=config, incomplete=incomplete,
+                                           resumed_from_step=at.step))
 
     trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=gamma)
     if world > 1:

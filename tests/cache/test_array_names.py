@@ -1,7 +1,8 @@
 """Every cache array is named through the schema (pipeline/cache/schema.py: INPUT_IDS, HIDDEN, ...):
 the library, the stages and the test kit never spell an array's name as a string of their own, so
 renaming or adding an array is one edit there. The tests may spell the on-disk names: there they
-are an independent reference of the format.
+are an independent reference of the format, and so may the benchmarks (measurements, not the
+product: they build arrays and rows of their own to time).
 
 The exceptions are listed below, each with its reason; one whose reason is gone fails too."""
 

@@ -63,7 +63,7 @@ def test_every_config_option_is_a_flag_with_help(command, flags):
 def test_every_command_keeps_its_flags_each_with_help(command_name):
     group = typer.main.get_command(app)
     params = [p for p in group.commands[command_name].params if p.name != "help"]
-    declared = {o for p in params for o in p.opts if o.startswith("--") or p.param_type_name == "argument"}
+    declared = {o for p in params for o in p.opts + p.secondary_opts if o.startswith("--") or p.param_type_name == "argument"}
     assert declared == set(OTHER_FLAGS[command_name])
     for param in params:
         assert param.param_type_name == "argument" or param.help, f"{command_name} {param.opts} has no help"

@@ -231,7 +231,7 @@ def kit_offenders(root: Path) -> list[str]:
     the test kit (harness/) nor a test module; a benchmark imports no test module (tests/ holds
     tests and their fixtures only; what tests and benchmarks share lives in harness/)."""
     test_modules = {p.stem for p in (root / "tests").rglob("*.py")} | {"tests"}
-    package = sorted((root / "pipeline").rglob("*.py")) + sorted((root / "stages").glob("*.py")) + [root / "cli.py"]
+    package = sorted((root / "pipeline").rglob("*.py")) + sorted((root / "stages").rglob("*.py")) + [root / "cli.py"]
     found = [f"{p.relative_to(root).as_posix()}:{line} imports {module}"
              for p in package for line, module, _ in imports(p) if top(module) in test_modules | {"harness"}]
     found += [f"{p.relative_to(root).as_posix()}:{line} imports the test module {module}"
