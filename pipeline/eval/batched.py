@@ -116,10 +116,12 @@ def _choices(logits_RNV: torch.Tensor, trees: list[DraftTree], active: list[int]
     """Per row, the target's token after each of its tree's tokens (0: the bonus; padding
     included), every row's in one read back to the host."""
     n = logits_RNV.shape[1]
-    keys = []
-    for r, (i, tree) in enumerate(zip(active, trees)):
-        depths = [0, *(d + 1 for d in tree.depths)]
-        depths += [0] * (n - len(depths))                  # padding leaves: drawn, never read
-        keys += [(ids[i], starts[r] + 1 + d) for d in depths]
-    chosen = target_tokens(logits_RNV.reshape(-1, logits_RNV.shape[-1]), keys, sampling)
+
+    def keys():  # read only when sampling: greedy verification builds none
+        for r, (i, tree) in enumerate(zip(active, trees)):
+            depths = [0, *(d + 1 for d in tree.depths)]
+            depths += [0] * (n - len(depths))              # padding leaves: drawn, never read
+            yield from ((ids[i], starts[r] + 1 + d) for d in depths)
+
+    chosen = target_tokens(logits_RNV.reshape(-1, logits_RNV.shape[-1]), keys(), sampling)
     return [chosen[r * n:(r + 1) * n] for r in range(len(trees))]

@@ -72,7 +72,7 @@ def greedy_rows(target: LiveTarget, prompts: list[list[int]], *, max_new: int, e
     results = [Decoded([]) for _ in prompts]
 
     def pick(logits: torch.Tensor, active: list[int]) -> list[int]:
-        return target_tokens(logits, [(ids[i], len(prompts[i]) + len(results[i].tokens)) for i in active], sampling)
+        return target_tokens(logits, ((ids[i], len(prompts[i]) + len(results[i].tokens)) for i in active), sampling)
 
     passes = decode_plainly(target, prompts, pick, lambda i, token: not _finish(results[i].tokens, [token], eos, max_new))
     for result, n in zip(results, passes):
@@ -262,7 +262,7 @@ class Chooser:
         """The target's token after each of N nodes (node i at depth depths[i]) from their logits,
         in one read back to the host: every node's, the walk then reads the ones it reaches (a
         sync per accepted token otherwise)."""
-        return target_tokens(logits_NV, [(self.row, self.pos + 1 + d) for d in depths], self.sampling)
+        return target_tokens(logits_NV, ((self.row, self.pos + 1 + d) for d in depths), self.sampling)
 
 
 def _verify_as_tree(target: LiveTarget, tree, bonus: int, state, pos: int, chooser: Chooser):

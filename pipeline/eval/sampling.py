@@ -28,6 +28,7 @@ left undecided reuses its number, which no emitted token depended on.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,9 +100,10 @@ class Sampling(Sampler):
         return torch.log(self.warp(logits_DV))
 
 
-def target_tokens(logits_NV: torch.Tensor, keys: list[tuple[int, int]], sampling: Sampling | None) -> list[int]:
+def target_tokens(logits_NV: torch.Tensor, keys: Iterable[tuple[int, int]], sampling: Sampling | None) -> list[int]:
     """The target's token from each row of logits, row n's at keys[n] = (prompt index, position):
-    the argmax, or a keyed draw from p; every row's in one read back to the host."""
+    the argmax, or a keyed draw from p; every row's in one read back to the host. `keys` is read
+    only when sampling: callers pass a generator, so greedy decoding builds no keys."""
     if sampling is None:
         return logits_NV.argmax(-1).tolist()
     return sampling.draw_keyed(logits_NV, [sampling.u(row, position, TARGET) for row, position in keys])

@@ -72,7 +72,7 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
     if mismatch and warn:
         warn(f"the target {target_dir} is not the one this drafter was trained against ({recorded.source} recorded "
              f"{recorded.path}): its {mismatch} differ; decoding stays lossless, but the drafts were learned for another model")
-    drafter = fitting_drafter(drafter_dir, target_dir, o, device_, dtype_)
+    drafter = fitting_drafter(drafter_dir, target_dir, o.block_size, device_, dtype_)
     if any(b < 1 for b in o.tree_budget):
         raise PipelineError(f"--tree-budget values must be >= 1, got {o.tree_budget}")
     tokenizer = load_tokenizer(target_dir)
@@ -136,7 +136,7 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
     return result.to_json()
 
 
-def fitting_drafter(drafter_dir: Path, target_dir: Path, o: EvalOptions, device, dtype):
+def fitting_drafter(drafter_dir: Path, target_dir: Path, block_size: int | None, device, dtype):
     """The drafter on `device`, refused in one line where it does not fit the target, its block
     cut to --block-size."""
     facts = read_target_facts(target_dir)
@@ -147,7 +147,7 @@ def fitting_drafter(drafter_dir: Path, target_dir: Path, o: EvalOptions, device,
         raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
                             f"{c.target_layer_ids}) does not fit target {target_dir} (hidden {facts.hidden_size}, "
                             f"vocab {facts.vocab_size}, {facts.num_hidden_layers} layers)")
-    block = o.block_size or c.block_size
+    block = block_size or c.block_size
     if not 2 <= block <= c.block_size:
         raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
     c.block_size = block
