@@ -84,6 +84,9 @@ class FileLock:
         except BlockingIOError:
             os.close(fd)
             return False
+        except BaseException:  # no working flock on this mount (ENOLCK, EOPNOTSUPP), an interrupt: no fd left open
+            os.close(fd)
+            raise
         self._fd = fd
         return True
 

@@ -37,8 +37,17 @@ RESUMABLE_CHANGES = {"out", "cache", "cache_local", "cache_local_size", "target"
 STATE_VERSION = 1
 
 
-def save_checkpoint(run: Path, *, step: int, drafter, optimizer_state: dict, state: dict, keep: int) -> Path:
-    """`optimizer_state`: the whole state (plan.gathered_state), as plain AdamW's state_dict()."""
+def unguarded(before: str) -> None:
+    """A write needs no check: no claim (a rank other than 0, a caller outside `pipeline train`)."""
+
+
+def save_checkpoint(run: Path, *, step: int, drafter, optimizer_state: dict, state: dict, keep: int,
+                    guard=unguarded) -> Path:
+    """`optimizer_state`: the whole state (plan.gathered_state), as plain AdamW's state_dict().
+    `guard(what)` raises when the run no longer owns `run` (RunClaim.check): called before the
+    first write and again before the rename that makes the checkpoint visible, since writing a
+    large one takes minutes a process may spend paused."""
+    guard(f"writing checkpoint step {step}")
     run_dir = RunDir(run)
     root = run_dir.checkpoints
     root.mkdir(parents=True, exist_ok=True)
@@ -70,6 +79,11 @@ def save_checkpoint(run: Path, *, step: int, drafter, optimizer_state: dict, sta
         shutil.rmtree(tmp, ignore_errors=True)
         raise PipelineError(f"{final}: checkpoint write failed ({reason}); the last complete checkpoint is "
                             "kept: make room, then re-run the same command to resume") from None
+    try:
+        guard(f"making checkpoint step {step} visible")
+    except PipelineError:
+        shutil.rmtree(tmp, ignore_errors=True)  # its own temporary: the new owner's next save would remove it
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -189,7 +203,7 @@ def check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -
 
 
 def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world,
-                      device):
+                      device, guard=unguarded):
     """Rank 0 writes the checkpoint (the optimizer state gathered to it first); every rank
     learns whether that failed."""
     failure = None
@@ -198,7 +212,7 @@ def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, id
         try:
             save_checkpoint(out, step=step, drafter=drafter, optimizer_state=optimizer_state, keep=cfg.keep_checkpoints,
                             state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
-                                   "world_size": world, "config": asdict(cfg), "cache": identity})
+                                   "world_size": world, "config": asdict(cfg), "cache": identity}, guard=guard)
         except PipelineError as e:
             failure = e
     # Every rank learns whether rank 0's write failed (a full disk, say), so that all stop with

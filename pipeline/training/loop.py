@@ -16,7 +16,7 @@ from pipeline.records.train_log import LogLine, write_line
 from pipeline.records.verdicts import append_verdict
 from pipeline.report.live import LiveVerdicts, Verdict
 from pipeline.tracking import Trackers
-from pipeline.training.checkpoint import Position, save_on_all_ranks
+from pipeline.training.checkpoint import Position, unguarded, save_on_all_ranks
 from pipeline.training.objectives import needs_distribution
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
@@ -32,9 +32,11 @@ class LoopOutput:
 
 
 def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepRunner, at: Position, *, out: Path,
-               identity: dict, trackers: Trackers, verdicts: LiveVerdicts, log_file, view=None, warn=print) -> LoopOutput:
+               identity: dict, trackers: Trackers, verdicts: LiveVerdicts, log_file, view=None, warn=print,
+               guard=unguarded) -> LoopOutput:
     """Run steps until plan.total_steps; `at` is advanced in place. `log_file` is None on ranks
-    other than 0 (they neither log nor report)."""
+    other than 0 (they neither log nor report). `guard(what)` raises when the run no longer owns
+    `out` (RunClaim.check): called before each log line and checkpoint."""
     result = LoopOutput()
     t_start, interval = time.perf_counter(), Interval()
     while at.step < plan.total_steps:
@@ -58,6 +60,7 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
                                              position=at.position, plan=plan,
                                              elapsed=at.elapsed0 + time.perf_counter() - t_start)
                     if log_file:
+                        guard(f"logging step {at.step}")
                         _report(result, log_file, trackers, verdicts, out, warn)
                     interval = Interval()
                 if view:
@@ -68,7 +71,7 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
                     save_on_all_ranks(out, cfg, trainer.drafter, trainer.optimizer, step=at.step, epoch=at.epoch,
                                       position=at.position, identity=identity,
                                       elapsed=at.elapsed0 + time.perf_counter() - t_start, tokens=at.tokens0,
-                                      rank=trainer.rank, world=trainer.world, device=trainer.device)
+                                      rank=trainer.rank, world=trainer.world, device=trainer.device, guard=guard)
         finally:
             items.close()
         if at.position + cfg.batch_sequences > plan.samples_per_epoch:

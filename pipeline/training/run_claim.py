@@ -14,22 +14,43 @@ would report success with nothing of its own left. The claim is two files:
   mounts) or does not work at all. The holder refreshes its modification time every HEARTBEAT_S
   seconds. Removed when the run ends.
 
+Which machine made a claim: the kernel's boot id (/proc/sys/kernel/random/boot_id, a random UUID
+drawn at every boot), never the host name: two containers with a fixed host name, or two VMs cloned
+from one image, share a name but not a boot. Containers on one host share its kernel and boot id
+and differ in their pid namespace. Where there is no boot id (not Linux, or /proc not mounted) the
+machine is unknown: such a claim, and any claim seen from such a machine, is judged by its
+heartbeat alone (rule 4), never by a pid or a lock.
+
 A claim left behind (kill -9, a lost node, a reboot) is stale, and the next run into R (a resume)
 takes it over, saying so in one line, when one of these holds:
 
-1. it was made on this machine (same host name, boot and pid namespace) by a process that is gone:
-   no process has its pid, or the one that has it started at another time (the pid was reused);
-2. it was made by an earlier round of this same torchrun job (the same TORCHELASTIC_RUN_ID, other
+1. it was made under this kernel (the same boot id) and pid namespace by a process that is gone:
+   no process has its pid, or the one that has it started at another time (the pid was reused).
+   One alive there, paused or not, holds R whatever its heartbeat;
+2. it was made under this kernel in another pid namespace by a holder of `.owner.lock`, and this
+   run now holds that flock: the kernel keeps a live process's flock whatever its namespace, so
+   the holder has ended (a container restarted in a new pid namespace takes over at once);
+3. it was made by an earlier round of this same torchrun job (the same TORCHELASTIC_RUN_ID, other
    than torchrun's default 'none', and a lower TORCHELASTIC_RESTART_COUNT): torchrun stops every
    worker of a round before it starts the next, wherever the new rank 0 lands;
-3. its heartbeat (the file's modification time) is older than STALE_AFTER_S (10 minutes): made on
-   another machine, whose processes this one cannot see. A holder that is alive refreshes it 20
-   times in that span.
+4. its heartbeat (the file's modification time) is older than STALE_AFTER_S (10 minutes): made on
+   another machine (another boot: a reboot of this one looks the same), whose processes this one
+   cannot see. A holder that is alive refreshes it 20 times in that span.
 
-Otherwise the run stops in one line naming the holder. What this does not cover: on a filesystem
-whose flock does not span machines, two runs started on two machines within the same second into
-a directory with no claim (or a stale one) can both proceed; each reads its claim back after
-writing it, which narrows that window but cannot close it without a lock the filesystem lacks.
+Otherwise the run stops in one line naming the holder.
+
+A holder can outlive its claim: paused past STALE_AFTER_S (SIGSTOP, a suspended job, a hung mount)
+it sends no heartbeat, another machine's run takes the directory over, and then it wakes. So the
+holder checks that the claim is still its own (`RunClaim.check`) before every write into R: each
+log line, each checkpoint (before it starts and again before its rename makes it visible),
+run.json, the export; on a claim that is no longer its own it stops in one line naming the new
+owner, and gives back nothing that is not its own.
+
+What this does not cover: on a filesystem whose flock does not span machines, two runs started on
+two machines within the same second into a directory with no claim (or a stale one) can both
+proceed; each reads its claim back after writing it, which narrows that window but cannot close it
+without a lock the filesystem lacks. Likewise a pause that falls between a check and the write it
+guards lets that one write through.
 """
 
 from __future__ import annotations
@@ -50,12 +71,13 @@ from pipeline.records.run_dir import RunDir
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def _read_text(path: str) -> str | None:
     try:
         with open(path, encoding="ascii") as f:
-            return f.read().strip()
+            return f.read().strip() or None
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -78,9 +100,13 @@ def _pid_namespace() -> str | None:
 
 
 def _machine() -> dict:
-    """What makes two claims' pids comparable: the same host, boot and pid namespace."""
-    return {"host": socket.gethostname(), "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
-            "pid_namespace": _pid_namespace()}
+    """Where this process runs: its host name (for people), kernel boot and pid namespace (what
+    makes two claims' locks and pids comparable: the module docstring)."""
+    return {"host": socket.gethostname(), "boot_id": _read_text(BOOT_ID), "pid_namespace": _pid_namespace()}
+
+
+def _same_kernel(record: dict, here: dict) -> bool:
+    return here["boot_id"] is not None and record.get("boot_id") == here["boot_id"]
 
 
 def _process_state(pid: int, start: str | None) -> str | None:
@@ -127,6 +153,23 @@ class RunClaim:
     def _ours(self) -> bool:
         found = _read_record(self.path)
         return isinstance(found, dict) and found.get("claim_id") == self.record["claim_id"]
+
+    def check(self, before: str) -> None:
+        """Raise one line naming the directory's new owner if this claim is no longer ours: called
+        before every write into the run directory (`before` says which)."""
+        found = _read_record(self.path)
+        if isinstance(found, dict) and found.get("claim_id") == self.record["claim_id"]:
+            return
+        if isinstance(found, dict):
+            now = f"another training run holds it ({_holder(found)})"
+        elif found is None:
+            now = f"its {self.path.name} is gone"
+        else:
+            now = f"its {self.path.name} is unreadable ({found})"
+        raise PipelineError(
+            f"{self.out}: this run no longer owns the directory: {now}; stopping before {before}. The claim "
+            f"is taken over after {_minutes(STALE_AFTER_S)} without a heartbeat: was this process paused "
+            "(SIGSTOP, a suspended job) or its mount hung?")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -178,17 +221,20 @@ def _holder(record: dict) -> str:
     return f"pid {record.get('pid')} on {record.get('host')}, since {record.get('since')}"
 
 
-def _stale_because(record: dict | str, age_s: float) -> str | None:
-    """Why a claim left in the directory no longer holds it (the module docstring's rules), or None."""
+def _stale_because(record: dict | str, age_s: float, *, locked: bool) -> str | None:
+    """Why a claim left in the directory no longer holds it (the module docstring's rules), or None.
+    `locked`: this process holds `.owner.lock` now."""
     if isinstance(record, dict):
         here = _machine()
-        if all(record.get(k) == here[k] for k in here):
-            return _process_state(int(record["pid"]), record.get("process_start"))
+        if _same_kernel(record, here):
+            if here["pid_namespace"] is not None and record.get("pid_namespace") == here["pid_namespace"]:
+                # seen from here: gone, or alive (paused too) and holding, whatever its heartbeat
+                return _process_state(int(record["pid"]), record.get("process_start"))
+            if locked and record.get("locked") is True:
+                return "its holder's flock is free, so the process has ended (this kernel keeps a live holder's flock)"
         job, restart = _job()
         if job is not None and record.get("job") == job and int(record.get("restart", 0)) < restart:
             return f"it was round {record.get('restart', 0)} of this torchrun job, which torchrun ended"
-        if record.get("host") == here["host"] and record.get("boot_id") != here["boot_id"]:
-            return "this machine rebooted since"
     if age_s > STALE_AFTER_S:
         return f"no heartbeat for {_minutes(age_s)} (a claim is stale after {_minutes(STALE_AFTER_S)} without one)"
     return None
@@ -200,7 +246,7 @@ def _refusal(out: Path, record: dict | str, age_s: float) -> PipelineError:
     else:
         who = f"in use by another training run ({_holder(record)})"
     wait = ""
-    if not isinstance(record, dict) or record.get("host") != socket.gethostname():
+    if not isinstance(record, dict) or not _same_kernel(record, _machine()):  # judged by its heartbeat
         wait = f"; it is stale after {_minutes(STALE_AFTER_S)} without a heartbeat, the last {_minutes(age_s)} ago"
     return PipelineError(f"{out}: {who}{wait}; wait for it to end, or train into another --out")
 
@@ -237,14 +283,14 @@ def _claim(out: Path, lock: FileLock | None, created: bool, warn) -> RunClaim:
     found = _read_record(path)
     if found is not None:
         age = _age(path)
-        reason = _stale_because(found, age)
+        reason = _stale_because(found, age, locked=lock is not None)
         if reason is None:
             raise _refusal(out, found, age)
         holder = _holder(found) if isinstance(found, dict) else f"an unreadable {path.name}"
         warn(f"{out}: taking over a stale claim ({holder}): {reason}")
     job, restart = _job()
     record = {**_machine(), "pid": os.getpid(), "process_start": _start_ticks(os.getpid()), "since": _now_utc(),
-              "job": job, "restart": restart, "claim_id": uuid.uuid4().hex}
+              "job": job, "restart": restart, "locked": lock is not None, "claim_id": uuid.uuid4().hex}
     write_json_atomic(path, record)
     mine = _read_record(path)  # another machine writing at the same moment: the last write holds
     if not isinstance(mine, dict) or mine.get("claim_id") != record["claim_id"]:

@@ -46,7 +46,7 @@ from pipeline.target_model import (
 )
 from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.training.blocks import default_gamma
-from pipeline.training.checkpoint import cache_identity, resume_position
+from pipeline.training.checkpoint import cache_identity, resume_position, unguarded
 from pipeline.training.compat import check_compatible, kernel_paths, match_preset
 from pipeline.training.draft_vocab import choose_draft_vocab
 from pipeline.training.geometry import check_mask_absent, drafter_config
@@ -108,8 +108,9 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     claimed first, once for all ranks, and given back however the run ends (run_claim.py)."""
     rank, world = init_data_parallel()
     claim = claim_for_job(Path(cfg.out), rank=rank, world=world, warn=warn)
+    guard = claim.check if claim is not None else unguarded  # rank 0 checks before each of its writes
     try:
-        return _train(cfg, rank, world, preset_target=preset_target, resume=resume, view=view, warn=warn)
+        return _train(cfg, rank, world, preset_target=preset_target, resume=resume, view=view, warn=warn, guard=guard)
     finally:
         if claim is not None:
             claim.release()
@@ -133,7 +134,8 @@ def describe_run(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: in
         resumed_from_step=resumed_from_step)
 
 
-def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | None, resume: bool, view, warn) -> dict:
+def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | None, resume: bool, view, warn,
+           guard) -> dict:
     for name in cfg.report_to:  # a missing extra is one line before anything loads
         tracker_class(name).check_installed()
     hazard = elastic_restart_hazard()
@@ -172,6 +174,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
                                   optimizer=optimizer)
     start_step = at.step
     if rank == 0:
+        guard("writing run.json")
         out.mkdir(parents=True, exist_ok=True)
         trim_to_step(RunDir(out).train_log, at.step)
         trim_to_step(RunDir(out).verdicts, at.step)
@@ -204,8 +207,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         view.start(total=plan.total_steps, done=at.step)
     try:
         result = train_loop(cfg, plan, reader, trainer, at, out=out, identity=identity, trackers=trackers,
-                            verdicts=verdicts, log_file=log_file, view=view, warn=warn)
+                            verdicts=verdicts, log_file=log_file, view=view, warn=warn, guard=guard)
         if rank == 0:
+            guard("writing the export (drafter/)")
             drafter.eval()
             export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg, device))
             trackers.artifact(RunDir(out).drafter)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from harness import machines
 from harness.runs import REPO, cli, cli_here, torchrun
 
 RUN = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "6", "--num-anchors", "32",
@@ -170,3 +171,231 @@ def test_a_torchrun_job_claims_once_and_gives_the_directory_back(cache, tmp_path
     result = torchrun(2, "train", "--cache", str(cache), "--out", str(run), *TWO_RANKS, timeout=300)
     assert result.returncode == 0, result.stderr
     assert not (run / "owner.json").exists() and (run / "drafter").is_dir()
+
+
+# --------------------------------------------------------------------------- across machines
+# Real processes that see another kernel boot, pid namespace or host name, or a mount whose flock
+# fails (harness/machines.py), each claiming a directory as train does.
+
+CLAIMANT = """
+import sys
+from pathlib import Path
+from pipeline.errors import PipelineError
+from pipeline.training.run_claim import take
+try:
+    claim = take(Path(sys.argv[1]), lambda line: print("warning:", line, flush=True))
+except PipelineError as e:
+    print("refused:", e, flush=True)
+    sys.exit(1)
+print("held", flush=True)
+for command in sys.stdin:  # 'check': the test of a write; end of input: give the claim back
+    try:
+        claim.check("writing a test line")
+        print("ok", flush=True)
+    except PipelineError as e:
+        print("stopped:", e, flush=True)
+claim.release()
+"""
+
+
+@pytest.fixture(scope="module")
+def no_flock(tmp_path_factory):
+    machines.check_namespaces()
+    return machines.no_flock_library(tmp_path_factory)
+
+
+def claimant(run, machine, folder, library) -> tuple[subprocess.Popen, list[str]]:
+    """A real process claiming `run` on `machine`; (the process, what it printed up to 'held' or
+    its refusal). It holds the claim until its stdin closes."""
+    proc = machines.start(machines.python(CLAIMANT, str(run)), machine, folder, library,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    said = []
+    while not said or not said[-1].startswith(("held", "refused:")):
+        line = proc.stdout.readline()
+        assert line, f"the claimant ended early: {said}"
+        said.append(line.strip())
+    return proc, said
+
+
+def ended(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def record(run) -> dict:
+    return json.loads((run / "owner.json").read_text())
+
+
+def files(run) -> dict[str, int]:
+    """Every file of a run directory but its claim, with its modification time."""
+    return {p.relative_to(run).as_posix(): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file() and p.name != "owner.json"}
+
+
+def age_claim(run, seconds: float) -> None:
+    """The claim's heartbeat `seconds` old, as another machine's clock sees it after a long pause."""
+    then = time.time() - seconds
+    os.utime(run / "owner.json", (then, then))
+
+
+def test_a_holder_paused_past_the_stale_limit_stops_before_writing_into_a_directory_taken_over(cache, tmp_path, no_flock):
+    """Issue 69.1. On a cluster mount without flock, a training paused (SIGSTOP) mid-checkpoint
+    for longer than the stale limit is taken over by a run on another machine (another boot id);
+    when it wakes it writes nothing more into the directory and stops in one line naming the new
+    owner, whose claim it leaves in place."""
+    run = tmp_path / "run"
+    first = machines.start([sys.executable, "-m", "cli", "train", "--cache", str(cache), "--out", str(run), *RUN],
+                           machines.Machine(flock=False), tmp_path, no_flock, env={"PIPELINE_FAILPOINT": "checkpoint.written@1:stop"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    second = None
+    try:
+        wait_for(lambda: stopped(first.pid), first, "freeze in the first checkpoint")
+        assert record(run)["locked"] is False  # flock failed: the claim file decides alone
+        age_claim(run, 11 * 60)
+        before = files(run)
+
+        second, said = claimant(run, machines.Machine(boot_id="node-b", hostname="node-b", flock=False), tmp_path, no_flock)
+        assert said[-1] == "held", said
+        assert any(f"taking over a stale claim (pid {first.pid} on {socket.gethostname()}" in x and "no heartbeat for 11 min" in x
+                   for x in said), said
+        new_owner = record(run)
+        assert new_owner["host"] == "node-b" and new_owner["boot_id"] == "node-b"
+
+        first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 1, err
+        errors = lines(err, "error")
+        assert len(errors) == 1, err
+        assert "this run no longer owns the directory: another training run holds it " \
+               f"(pid {new_owner['pid']} on node-b, since {new_owner['since']})" in errors[0]
+        assert "stopping before making checkpoint step 6 visible" in errors[0]
+        assert "Traceback" not in err and out == ""
+        temporary = [k for k in before if ".tmp-" in k]
+        assert temporary, before  # frozen between writing the checkpoint and making it visible
+        assert files(run) == {k: v for k, v in before.items() if ".tmp-" not in k}  # only its own temporary removed
+        assert not (run / "checkpoints" / "step-00000006").exists() and not (run / "drafter").exists()
+        assert record(run) == new_owner  # the old holder's release left the new owner's claim alone
+
+        second.stdin.write("check\n")
+        second.stdin.flush()
+        assert second.stdout.readline().strip() == "ok"
+    finally:
+        ended(first)
+        if second is not None:
+            ended(second)
+
+
+def test_a_taken_over_holder_stops_at_its_next_write(tmp_path, no_flock):
+    """RunClaim.check, between two real processes on two machines: the first holder, alive but
+    silent past the stale limit, is taken over; its next check names the new owner; its release
+    leaves the new owner's claim."""
+    run = tmp_path / "run"
+    first, _ = claimant(run, machines.Machine(boot_id="node-a", hostname="node-a", flock=False), tmp_path, no_flock)
+    second = None
+    try:
+        first.stdin.write("check\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "ok"
+        age_claim(run, 11 * 60)
+        second, said = claimant(run, machines.Machine(boot_id="node-b", hostname="node-b", flock=False), tmp_path, no_flock)
+        assert said[-1] == "held", said
+        taken = record(run)
+        first.stdin.write("check\n")
+        first.stdin.flush()
+        stopped_line = first.stdout.readline().strip()
+        assert stopped_line.startswith("stopped: ") and stopped_line.count("\n") == 0
+        assert f"another training run holds it (pid {taken['pid']} on node-b, since {taken['since']}); " \
+               "stopping before writing a test line" in stopped_line
+        first.stdin.close()
+        first.wait(timeout=60)
+        assert record(run) == taken
+    finally:
+        ended(first)
+        if second is not None:
+            ended(second)
+
+
+def test_a_host_name_shared_by_two_machines_does_not_make_a_live_claim_stale(tmp_path, no_flock):
+    """Issue 69.2. Two containers with one fixed host name on two machines (cloned VMs: two boot
+    ids) and a mount without flock: the second is refused while the first's heartbeat is fresh,
+    naming it and when its claim would be stale; the host name is not taken as a reboot."""
+    run = tmp_path / "run"
+    first, _ = claimant(run, machines.Machine(boot_id="clone-1", pid_namespace=True, hostname="trainer", flock=False),
+                        tmp_path, no_flock)
+    try:
+        held = record(run)
+        assert held["host"] == "trainer" and held["boot_id"] == "clone-1"
+        second, said = claimant(run, machines.Machine(boot_id="clone-2", pid_namespace=True, hostname="trainer", flock=False),
+                                tmp_path, no_flock)
+        second.wait(timeout=60)
+        assert second.returncode == 1 and said[-1].startswith("refused: "), said
+        assert f"in use by another training run (pid {held['pid']} on trainer, since {held['since']})" in said[-1]
+        assert "stale after 10 min without a heartbeat" in said[-1]
+        assert record(run) == held
+    finally:
+        ended(first)
+
+
+def test_a_container_restarted_in_a_new_pid_namespace_takes_over_its_dead_claim_at_once(tmp_path, no_flock):
+    """Issue 69.3. On one kernel a free flock proves the holder dead: a container killed (-9) and
+    restarted (a new pid namespace, the same boot id and host name) takes its directory over at
+    once. While the holder lives, its flock refuses the newcomer."""
+    run = tmp_path / "run"
+    container = machines.Machine(pid_namespace=True, hostname="trainer")
+    first, _ = claimant(run, container, tmp_path, None)
+    try:
+        held = record(run)
+        assert held["locked"] is True
+        refused, said = claimant(run, container, tmp_path, None)
+        refused.wait(timeout=60)
+        assert refused.returncode == 1 and f"(pid {held['pid']} on trainer" in said[-1], said
+    finally:
+        ended(first)  # kill -9 of the container's processes
+    second, said = claimant(run, container, tmp_path, None)
+    try:
+        assert said[-1] == "held", said
+        assert any(f"taking over a stale claim (pid {held['pid']} on trainer" in x and "flock is free" in x for x in said), said
+    finally:
+        ended(second)
+
+
+def test_without_a_boot_id_a_claim_is_judged_by_its_heartbeat_alone(tmp_path, no_flock):
+    """Where a system has no boot id, nothing says two claims were made under one kernel: a dead
+    holder's free flock is not proof (the flock may not span the machines), so its claim holds
+    until its heartbeat is stale."""
+    run = tmp_path / "run"
+    unknown = machines.Machine(boot_id="", pid_namespace=True, hostname="trainer")
+    first, _ = claimant(run, unknown, tmp_path, None)
+    held = record(run)
+    ended(first)
+    assert held["boot_id"] is None
+    refused, said = claimant(run, unknown, tmp_path, None)
+    refused.wait(timeout=60)
+    assert refused.returncode == 1 and "stale after 10 min without a heartbeat" in said[-1], said
+    age_claim(run, 11 * 60)
+    taken, said = claimant(run, unknown, tmp_path, None)
+    ended(taken)
+    assert said[-1] == "held" and any("no heartbeat for 11 min" in x for x in said), said
+
+
+def test_a_lock_that_fails_leaves_no_descriptor_open(tmp_path, no_flock):
+    """Issue 69.3: FileLock.acquire on a mount whose flock fails (ENOLCK) raises and closes the file
+    it opened; 200 tries leave the process's open descriptors as they were."""
+    code = """
+import os, sys
+from pathlib import Path
+from pipeline.files import FileLock
+before = len(os.listdir("/proc/self/fd"))
+errors = 0
+for _ in range(200):
+    try:
+        FileLock(Path(sys.argv[1])).acquire(blocking=False)
+    except OSError:
+        errors += 1
+print(errors, len(os.listdir("/proc/self/fd")) - before)
+"""
+    proc = machines.start(machines.python(code, str(tmp_path / "x.lock")), machines.Machine(flock=False), tmp_path, no_flock,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.split() == ["200", "0"]
