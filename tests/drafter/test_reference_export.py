@@ -21,7 +21,7 @@ import torch
 from pipeline.drafter.export import export_drafter, load_drafter, read_config
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
-from pipeline.eval.decode import draft_logits
+from pipeline.eval.speculative_decoding import draft_logits
 
 H, V, TAPS = 32, 64, 3
 KINDS = ["sliding_attention", "sliding_attention", "full_attention"]
