@@ -20,16 +20,17 @@ EMBEDDED = "embedded"
 
 
 def option(default=dataclasses.MISSING, *, help: str, factory=None, parse=None, flag: str | None = None,
-           argument: bool = False, metavar: str | None = None):
+           argument: bool = False, metavar: str | None = None, negatable: bool = False):
     """A config field that is also the command-line option `--NAME` (hyphens for underscores),
     with this help text: the command's option is derived from the field (pipeline/ui/options.py),
     so a new option is one field. The option's type is the field's (str, int, float, Path, bool: a
-    `--NAME` flag when the default is False, else `--NAME/--no-NAME`; a list: repeatable);
-    `parse(text, flag)` turns the option's text into the value where the field is anything else.
-    `flag` names the option where the field's name cannot (`--json` for `json_out`); `argument`
-    makes it positional; `metavar` names its value in --help. A field without a default is a
-    required option."""
-    metadata = {"help": help, "parse": parse, "flag": flag, "argument": argument, "metavar": metavar}
+    `--NAME` flag when the default is False, else `--NAME/--no-NAME`; `negatable` gives a False
+    default its `--no-NAME` too; a list: repeatable); `parse(text, flag)` turns the option's text
+    into the value where the field is anything else. `flag` names the option where the field's
+    name cannot (`--json` for `json_out`); `argument` makes it positional; `metavar` names its
+    value in --help. A field without a default is a required option."""
+    metadata = {"help": help, "parse": parse, "flag": flag, "argument": argument, "metavar": metavar,
+                "negatable": negatable}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -1,6 +1,8 @@
 """Option blocks several commands share, declared once: a command's options dataclass inherits the
-blocks it takes (`class EvalOptions(Device, Seeded, JsonOutput)`), so `--device` means and says the
-same in every command that has it."""
+blocks it takes (`class EvalOptions(Device, Seeded, JsonOutput)`), so `--device` is one type, default
+and parser everywhere. The help here is what the option means in any command; a command where it
+means more (what --seed draws, which shards --shards writes) words that in its class's `OWN_HELP`
+(pipeline/ui/options.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class Device:
 
 @dataclass(kw_only=True)
 class Seeded:
-    seed: int = option(0, help="Seed of the command's random choices: the same seed, the same result (the command's help says what it draws).")
+    seed: int = option(0, help="Seed of the command's random choices: the same seed, the same result.")
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,7 @@ from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
 
 from pipeline.drafter.incremental import DraftContext  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
-from pipeline.eval.decode import draft_logits  # noqa: E402
+from pipeline.eval.speculative_decoding import draft_logits  # noqa: E402
 
 TAPS, BLOCK, VOCAB, ACCEPTED = 3, 16, 4096, 4
 

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
 
 from pipeline.eval.batched import decode_rows  # noqa: E402
-from pipeline.eval.decode import block_decode, greedy, tree_decode  # noqa: E402
+from pipeline.eval.speculative_decoding import block_decode, greedy, tree_decode  # noqa: E402
 from pipeline.target_model.live import LiveTarget  # noqa: E402
 from pipeline.eval.tree import build_tree  # noqa: E402
 

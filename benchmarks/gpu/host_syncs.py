@@ -32,8 +32,8 @@ from pipeline import embedded  # noqa: E402
 from pipeline.data.prompts import read_prompts  # noqa: E402
 from pipeline.drafter.export import load_drafter  # noqa: E402
 from pipeline.eval.batched import decode_rows  # noqa: E402
-from pipeline.eval.decode import block_decode, greedy, tree_decode  # noqa: E402
-from pipeline.eval.sampling import Sampling  # noqa: E402
+from pipeline.eval.speculative_decoding import block_decode, greedy, tree_decode  # noqa: E402
+from pipeline.eval.speculative_sampling import SpeculativeSampler  # noqa: E402
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer  # noqa: E402
 from pipeline.target_model.live import LiveTarget  # noqa: E402
 from stages.train.run import resolve_config, run_train  # noqa: E402
@@ -55,7 +55,7 @@ def decode_syncs(run: Path, prompts: list[list[int]], max_new: int) -> dict:
         embed, head = frozen_target_modules(embedded.TARGET_DIR)
         drafter = load_drafter(run / "drafter", embed=embed, lm_head=head).to(sim.device).eval()
         live = LiveTarget(load_target(embedded.TARGET_DIR, dtype=torch.float32).to(sim.device), drafter.config.target_layer_ids)
-        for mode, sampling in (("greedy", None), ("sampled", Sampling(temperature=1.0, seed=0))):
+        for mode, sampling in (("greedy", None), ("sampled", SpeculativeSampler(temperature=1.0, seed=0))):
             variants = {
                 "plain": lambda p, i: greedy(live, p, max_new=max_new, eos=eos, sampling=sampling, row=i),
                 "block": lambda p, i: block_decode(live, drafter, p, max_new=max_new, eos=eos, sampling=sampling, row=i),

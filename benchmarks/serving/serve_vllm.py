@@ -60,7 +60,7 @@ from pipeline.data.prompts import read_prompts  # noqa: E402
 from pipeline.embedded import HELDOUT_DATA, TARGET_DIR  # noqa: E402
 from pipeline.generate.server import Server, openai_messages  # noqa: E402
 from pipeline.generate.turns import Turn  # noqa: E402
-from pipeline.eval.decode import Decoded  # noqa: E402
+from pipeline.eval.speculative_decoding import Decoded  # noqa: E402
 from pipeline.eval.groups import KINDS, TurnMarkers, turn_kind  # noqa: E402
 from pipeline.eval.ties import judge_departures  # noqa: E402
 from pipeline.target_model import end_of_turn_ids, load_target, load_tokenizer  # noqa: E402

@@ -5,7 +5,7 @@ the middle of a forward."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -30,6 +30,10 @@ class DrafterConfig:
     layer_types: list[str] | None = None    # None: every layer "full_attention"
     sliding_window: int | None = None        # W of the "sliding_attention" layers
     draft_vocab_size: int | None = None      # K of a draft vocabulary (DESIGN 3.4); None: the target's whole vocabulary
+    # The mask token as the target's tokenizer spells it (None: a row past its vocabulary), for
+    # serving engines that look the id up by it (SGLang). Not compared: the id is what the drafter
+    # computes with, and a checkpoint exported before the text was recorded still resumes.
+    mask_token: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.layer_types is None:

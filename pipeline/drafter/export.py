@@ -1,7 +1,10 @@
 """Drafter export in the format the DFlash reference and its serving integrations load (DESIGN 8).
 
 config.json: a Qwen3 decoder config plus `block_size`, `num_target_layers`,
-`dflash_config: {target_layer_ids, mask_token_id}` and `architectures: ["DFlashDraftModel"]`;
+`dflash_config: {target_layer_ids, mask_token_id, block_size, mask_token}` and
+`architectures: ["DFlashDraftModel"]` (SGLang reads the block size and the mask token's text from
+`dflash_config`, and checks the text against the id in the target's tokenizer; a mask row past the
+tokenizer's vocabulary has no text and is written without one);
 the layer kinds as transformers' Qwen3Config reads them (`layer_types`, `sliding_window`, and
 `use_sliding_window`, without which Qwen3Config drops the window), the rope settings in both
 spellings (`rope_theta`, `rope_parameters`), and the weights' dtype (`torch_dtype`, `dtype`).
@@ -67,7 +70,7 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
         "dtype": dtype_name,
         "block_size": c.block_size,
         "num_target_layers": c.num_target_layers,
-        "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id},
+        "dflash_config": _dflash_config(c),
     }
     if c.draft_vocab_size is not None:
         config["draft_vocab_size"] = c.draft_vocab_size
@@ -82,6 +85,15 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     os.replace(tmp, out)
 
 
+def _dflash_config(c: DrafterConfig) -> dict:
+    """The `dflash_config` table: the taps and the mask as the reference reads them, with the block
+    size repeated and the mask token's text where SGLang looks for them."""
+    table = {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id, "block_size": c.block_size}
+    if c.mask_token is not None:
+        table["mask_token"] = c.mask_token
+    return table
+
+
 def read_config(path: Path) -> DrafterConfig:
     """The drafter config of an export, read as transformers' Qwen3Config reads it: the window
     counts only with `use_sliding_window`, and without `layer_types` every layer is full."""
@@ -92,6 +104,7 @@ def read_config(path: Path) -> DrafterConfig:
         return DrafterConfig(**{k: raw[k] for k in CONFIG_KEYS}, rope_theta=float(theta),
                              block_size=int(raw["block_size"]), num_target_layers=int(raw["num_target_layers"]),
                              target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=int(dflash["mask_token_id"]),
+                             mask_token=dflash.get("mask_token"),
                              max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                              layer_types=raw.get("layer_types"),
                              sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,

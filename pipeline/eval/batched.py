@@ -5,8 +5,8 @@ Each prompt keeps its own drafter context and its own acceptance: a block is ver
 (a tree with one child per token), so both methods go through `LiveTarget.verify_trees`, whose
 rows may hold different committed lengths (key/value slots marked per row) and trees of
 different shapes. A prompt that finishes leaves the batch. Lossless per prompt, like the
-single-prompt decoders in decode.py, which these are tested against: the same drafts, the same
-accepted tokens at every step. Sampled (a `Sampling`), a block is accepted by speculative
+single-prompt decoders in speculative_decoding.py, which these are tested against: the same
+drafts, the same accepted tokens at every step. Sampled (a `SpeculativeSampler`), a block is accepted by speculative
 sampling's rule rather than walked as a chain; random numbers are keyed by each prompt's index
 (`rows_ids`), so a prompt decodes the same tokens here as alone.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.eval.decode import Decoded, _choose, _finish, _follow, drafting
-from pipeline.eval.sampling import Sampling, target_tokens
+from pipeline.eval.speculative_decoding import Decoded, _choose, _finish, _follow, drafting
+from pipeline.eval.speculative_sampling import SpeculativeSampler, target_tokens
 from pipeline.target_model.live import LiveTarget
 from pipeline.eval.tree import DraftTree, top_lists, tree_of
 
@@ -43,7 +43,7 @@ def _pad(tree: DraftTree, size: int, filler: int) -> tuple[list[int], list[int]]
 
 def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_new: int, eos: set[int],
                 budget: int | None = None, top_k: int = 8, draft: list | None = None,
-                sampling: Sampling | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
+                sampling: SpeculativeSampler | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
     """Block decoding (`budget=None`) or DDTree with `budget` nodes for all `prompts` at once.
     `draft[i](anchor, pos) -> [B-1, V] logits` overrides the drafter for prompt i (benchmarks).
     With `sampling`, `row_ids[i]` (default i) is prompt i's index for its random numbers."""
@@ -112,7 +112,7 @@ def decode_rows(target: LiveTarget, drafter, prompts: list[list[int]], *, max_ne
 
 
 def _choices(logits_RNV: torch.Tensor, trees: list[DraftTree], active: list[int], ids: list[int], starts: list[int],
-             sampling: Sampling | None) -> list[list[int]]:
+             sampling: SpeculativeSampler | None) -> list[list[int]]:
     """Per row, the target's token after each of its tree's tokens (0: the bonus; padding
     included), every row's in one read back to the host."""
     n = logits_RNV.shape[1]

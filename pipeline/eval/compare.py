@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from pipeline.records.eval_result import Variant
-from pipeline.eval.decode import Decoded
+from pipeline.eval.speculative_decoding import Decoded
 from pipeline.eval.variants import Settings, decode, reference as plain
 from pipeline.target_model.live import LiveTarget
 

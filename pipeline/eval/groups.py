@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.records.eval_result import Variant, nest
-from pipeline.eval.decode import Decoded
+from pipeline.eval.speculative_decoding import Decoded
 from pipeline.eval.summary import tau_figures
 
 KINDS = ("thinking", "non_thinking", "tool_call")

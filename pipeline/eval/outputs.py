@@ -23,7 +23,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.files import fsync_dir
 from pipeline.records.eval_result import Variant, nest
-from pipeline.eval.decode import Decoded
+from pipeline.eval.speculative_decoding import Decoded
 from pipeline.eval.groups import TurnMarkers, turn_kind
 from pipeline.eval.ties import Departure
 

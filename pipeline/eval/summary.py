@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from pipeline.eval.decode import Decoded
+from pipeline.eval.speculative_decoding import Decoded
 from pipeline.eval.ties import Departure, first_difference
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipeline.eval.decode import Decoded
+from pipeline.eval.speculative_decoding import Decoded
 from pipeline.target_model.live import LiveTarget
 
 # Units in the last place of the best logit, in the compute dtype, that two tokens may be apart

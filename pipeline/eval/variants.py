@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from pipeline.records.eval_result import Variant
 from pipeline.eval.batched import decode_rows
-from pipeline.eval.decode import Decoded, block_decode, greedy, greedy_rows, tree_decode
-from pipeline.eval.sampling import Sampling
+from pipeline.eval.speculative_decoding import Decoded, block_decode, greedy, greedy_rows, tree_decode
+from pipeline.eval.speculative_sampling import SpeculativeSampler
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Settings:
     """What every variant decodes with (eval's options)."""
     max_new: int
     eos: set[int]
-    sampling: Sampling | None     # None: greedy
+    sampling: SpeculativeSampler | None     # None: greedy
     batch_size: int = 1
     tree_top_k: int = 8
     tree_verify: str = "tree"

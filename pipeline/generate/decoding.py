@@ -4,7 +4,7 @@ prompt is prefilled on its own, then the rows share a cache whose key/value slot
 row: pipeline/target_model/plain_rows.py, the loop eval's plain reference shares).
 
 Greedy at temperature 0; otherwise temperature and nucleus (top-p) sampling by the one sampler
-(pipeline/sampling.py `Sampler.draw_with`) with one random generator per sequence, seeded by the
+(pipeline/sampler.py `Sampler.draw_with`) with one random generator per sequence, seeded by the
 caller, so a sequence's tokens do not depend on which other sequences share its batch.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.sampling import Sampler
+from pipeline.sampler import Sampler
 from pipeline.target_model.live import LiveTarget
 from pipeline.target_model.plain_rows import decode_plainly
 

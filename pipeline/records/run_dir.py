@@ -18,6 +18,7 @@ benchmarks, which measure rather than ship, may spell a path themselves).
       mlflow.db, mlartifacts/   MLflow's own store, when $MLFLOW_TRACKING_URI is not set
       wandb/                    W&B's offline runs (W&B names it itself under the directory it is given,
                                 RUN; no property here)
+      report/                   `pipeline report`'s PNG plots of the run, unless --out puts them elsewhere
 
 The README (Training: Output, One training per run directory; Trackers) promises these names, and
 tests/training/test_run_dir.py holds the two to each other.
@@ -106,6 +107,12 @@ class RunDir:
     @property
     def mlflow_artifacts(self) -> Path:
         return self.path / "mlartifacts"
+
+    @property
+    def report(self) -> Path:
+        """`pipeline report`'s plots by default: beside the log they draw, never in whatever
+        directory the command was run from (a checkout's root collected them once)."""
+        return self.path / "report"
 
 
 @dataclass(frozen=True)

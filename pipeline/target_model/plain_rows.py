@@ -1,6 +1,6 @@
 """Plain decoding of several prompts at once, one target pass per token for all of them: the loop
 that `pipeline generate` (pipeline/generate/decoding.py) and eval's plain reference
-(pipeline/eval/decode.py `greedy_rows`) share. Each prompt is prefilled on its own, then the
+(pipeline/eval/speculative_decoding.py `greedy_rows`) share. Each prompt is prefilled on its own, then the
 rows share a cache whose key/value slots are marked per row (`LiveTarget.prefill_rows` /
 `step_rows`), so a prompt decodes as it would alone; a prompt that is done leaves the batch. The
 callers say how a token is picked and when a prompt is done."""

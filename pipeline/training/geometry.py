@@ -20,6 +20,7 @@ def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps:
     text = json.loads((target_dir / "config.json").read_text())
     text = text.get("text_config") or text
     heads = cfg.num_attention_heads or facts.num_attention_heads
+    mask_id, mask_text = resolve_mask_token(cfg.mask_token, target_dir, facts)
     try:
         return DrafterConfig(
             hidden_size=facts.hidden_size, intermediate_size=cfg.intermediate_size or int(text["intermediate_size"]),
@@ -27,7 +28,7 @@ def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps:
             num_key_value_heads=cfg.num_key_value_heads or (facts.num_key_value_heads if not cfg.num_attention_heads else heads),
             head_dim=cfg.head_dim or int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
             vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
-            mask_token_id=mask_token_id(cfg.mask_token, target_dir, facts), block_size=cfg.block_size,
+            mask_token_id=mask_id, mask_token=mask_text, block_size=cfg.block_size,
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
                                                or 10000.0),
@@ -41,7 +42,18 @@ def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -
     """The mask id (DESIGN 2): an integer id, or a token string looked up in the target's
     tokenizer; it must have an embedding row and be a reserved token (special or added) or a row
     past the tokenizer's vocabulary, never an ordinary token that text produces."""
+    return resolve_mask_token(mask_token, target_dir, facts)[0]
+
+
+def resolve_mask_token(mask_token: str | int, target_dir: Path, facts: TargetFacts) -> tuple[int, str | None]:
+    """(the mask id, checked as `mask_token_id` says; the token as the target's tokenizer spells
+    it, which SGLang looks the id up by, or None for a row past the tokenizer's vocabulary)."""
     tokenizer = load_tokenizer(target_dir)
+    mask_id = _checked_mask_id(mask_token, tokenizer, target_dir, facts)
+    return mask_id, tokenizer.convert_ids_to_tokens(mask_id) if mask_id < len(tokenizer) else None
+
+
+def _checked_mask_id(mask_token: str | int, tokenizer, target_dir: Path, facts: TargetFacts) -> int:
     if isinstance(mask_token, str):
         if mask_token not in tokenizer.get_vocab():
             raise PipelineError(f"{target_dir}: the tokenizer has no mask token {mask_token!r}: pass --mask-token ID|TOKEN "

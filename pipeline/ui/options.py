@@ -7,6 +7,10 @@ one `Options` built from what was given, defaults from the dataclass. `command(O
 config=Config)` adds the option fields of a TOML-backed config (ExtractConfig, TrainConfig), handed
 over as `overrides`: the values given, None for those left out (the TOML file or the preset decides
 them, pipeline/config.py load_config).
+
+An option block several commands share (stages/options.py: --seed, --device, --shards...) has one
+help for all of them; a command where the option means something of its own says what in its
+class's `OWN_HELP` ({field name: help}), which --help shows instead.
 """
 
 from __future__ import annotations
@@ -51,10 +55,23 @@ def _shown(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
+def help_of(cls, f: dataclasses.Field) -> str:
+    """The field's help as `cls`'s command shows it: the command's own wording (OWN_HELP) of an
+    option it shares with others, else the help the field was declared with."""
+    return getattr(cls, "OWN_HELP", {}).get(f.name, f.metadata["help"])
+
+
+def _check_own_help(cls, fields: list[dataclasses.Field]) -> None:
+    """OWN_HELP names options of the class: a misspelt name would leave the shared help silently."""
+    unknown = sorted(set(getattr(cls, "OWN_HELP", {})) - {f.name for f in fields})
+    if unknown:
+        raise TypeError(f"{cls.__name__}.OWN_HELP: {', '.join(unknown)} is not one of its options")
+
+
 def _parameter(cls, f: dataclasses.Field, hint, *, overrides: bool) -> inspect.Parameter:
     """The typer parameter of one field: as an override (default None: not given) or as a value
     (the field's default, or required where the field has none)."""
-    flag, kind, parse = flag_of(f), _without_none(hint), f.metadata["parse"]
+    flag, kind, parse, help_text = flag_of(f), _without_none(hint), f.metadata["parse"], help_of(cls, f)
     decls: tuple[str, ...] = ()
     default = None if overrides else _default_of(f)
     if parse is not None:
@@ -62,15 +79,16 @@ def _parameter(cls, f: dataclasses.Field, hint, *, overrides: bool) -> inspect.P
         if default is not None and default is not dataclasses.MISSING:
             default = _shown(default)            # the text that gives the field's default
     elif kind is bool:
-        decls = (flag,) if f.default is False else (f"{flag}/--no-{flag[2:]}",)
+        one_flag = f.default is False and not f.metadata.get("negatable")
+        decls = (flag,) if one_flag else (f"{flag}/--no-{flag[2:]}",)
     elif kind not in _PLAIN and kind not in _LISTS:
         raise TypeError(f"{cls.__name__}.{f.name}: a {hint} option needs option(..., parse=...)")
     elif f.metadata.get("flag"):
         decls = (flag,)
     if f.metadata.get("argument"):
-        marker = typer.Argument(help=f.metadata["help"], show_default=default not in (None, dataclasses.MISSING))
+        marker = typer.Argument(help=help_text, show_default=default not in (None, dataclasses.MISSING))
     else:
-        marker = typer.Option(*decls, help=f.metadata["help"], metavar=f.metadata.get("metavar"))
+        marker = typer.Option(*decls, help=help_text, metavar=f.metadata.get("metavar"))
     annotation = Annotated[Optional[kind] if default is None else kind, marker]
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                              default=inspect.Parameter.empty if default is dataclasses.MISSING else default)
@@ -97,6 +115,7 @@ def command(options_cls, *, config=None):
     """Decorator: a typer command from `def run(options)` (or `def run(options, overrides)` with
     `config`), its parameters derived from the dataclasses' option fields."""
     own = _own_first(options_cls, option_fields(options_cls))
+    _check_own_help(options_cls, own)
     from_config = option_fields(config) if config is not None else []
     clash = sorted({f.name for f in own} & {f.name for f in from_config})
     if clash:

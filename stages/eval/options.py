@@ -12,6 +12,10 @@ from stages.options import Device, JsonOutput, Seeded
 
 @dataclass(kw_only=True)
 class EvalOptions(Device, Seeded, JsonOutput):
+    # The shared --seed and --dtype, as eval means them.
+    OWN_HELP = {"seed": "Sampling: the seed; a prompt's random numbers depend on it and the prompt's index only, so --batch-size does not change the tokens.",
+                "dtype": "Target and drafter dtype: 'auto' (bfloat16 on a GPU, float32 on the CPU), 'float32' or 'bfloat16'."}
+
     drafter: Path = option(Path("dflash-run"), help="Drafter export (RUN/drafter) or its run directory.")
     target: Path | None = option(None, help="Target model directory (default: the one the run trained against, else the embedded target).")
     prompts: Path | None = option(None, help="JSONL conversations; the prompt is everything before the last assistant turn (default: the embedded held-out set).")

@@ -7,7 +7,7 @@ bug and is reported). tau (accepted draft tokens + 1 per verify step) is reporte
 of per-response means (as the DFlash paper does) and pooled over all steps.
 
 With `--temperature T > 0` the reference is plain sampling and the variants are speculative
-sampling (pipeline/eval/sampling.py): lossless in distribution, which one sample per
+sampling (pipeline/eval/speculative_sampling.py): lossless in distribution, which one sample per
 prompt cannot show, so outputs are not compared; tests/eval/test_sampling.py tests it.
 
 With `--outputs FILE` every prompt's outputs are written as they are decoded, a JSON line per prompt
@@ -32,10 +32,10 @@ from pipeline.eval.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError
 from pipeline.eval.compare import REFERENCE, decode_variants
-from pipeline.eval.decode import TREE_VERIFY, choose_tree_verify
+from pipeline.eval.speculative_decoding import TREE_VERIFY, choose_tree_verify
 from pipeline.eval.groups import TurnMarkers, by_field, by_kind
 from pipeline.eval.outputs import OutputsWriter, check_outputs_path
-from pipeline.eval.sampling import Sampling
+from pipeline.eval.speculative_sampling import SpeculativeSampler
 from pipeline.eval.summary import summarise
 from pipeline.eval.ties import judge_departures
 from pipeline.eval.variants import Settings
@@ -172,7 +172,7 @@ def check_decoding_options(tree_verify: str, batch_size: int) -> None:
 
 def tree_verification(model, tree_verify: str, tree_budgets: list[int], batch_size: int) -> tuple[str, str]:
     """(how DDTree's trees are verified, why): as asked, or for "auto" by the target's size
-    without its embeddings (pipeline/eval/decode.py: choose_tree_verify)."""
+    without its embeddings (pipeline/eval/speculative_decoding.py: choose_tree_verify)."""
     reason = "asked for"
     if tree_verify == "auto":
         embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
@@ -185,7 +185,7 @@ def tree_verification(model, tree_verify: str, tree_budgets: list[int], batch_si
     return tree_verify, reason
 
 
-def sampling_of(temperature: float, top_p: float, top_k: int, seed: int) -> Sampling | None:
+def sampling_of(temperature: float, top_p: float, top_k: int, seed: int) -> SpeculativeSampler | None:
     """None (greedy) at temperature 0; refuses options that only sampling reads."""
     if temperature < 0:
         raise PipelineError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
@@ -197,4 +197,4 @@ def sampling_of(temperature: float, top_p: float, top_k: int, seed: int) -> Samp
         raise PipelineError(f"--top-p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise PipelineError(f"--top-k must be >= 0 (0: off), got {top_k}")
-    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return SpeculativeSampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -12,6 +12,9 @@ from stages.options import JsonOutput, ShardSelection
 
 @dataclass(kw_only=True)
 class ExtractOptions(ShardSelection, JsonOutput):
+    # The shared --shards, as extract means it.
+    OWN_HELP = {"shards": "Shards this invocation writes, e.g. '0-63' or '3,5,8-11' (default: all)."}
+
     config: Path | None = option(None, help="TOML config (\\[extract] table); default ./extract.toml if present, else the embedded default.")
     thinking: bool | None = option(None, help="Render with the template's thinking mode on or off (chat_template_kwargs.enable_thinking; default: the template's own default).")
     dry_run: bool = option(False, help="Print the bill instead: rows, tokens, samples per shard, bytes and files, from the data, the target's config and tokenizer (no weights loaded, nothing written).")

@@ -11,6 +11,10 @@ from stages.options import Device, JsonOutput, Seeded, ShardSelection
 
 @dataclass(kw_only=True)
 class GenerateOptions(Device, Seeded, ShardSelection, JsonOutput):
+    # The shared --seed and --shards, as generate means them.
+    OWN_HELP = {"seed": "Sampling seed; each turn draws from its own generator seeded by (seed, row, turn).",
+                "shards": "Shards this invocation writes, e.g. '0-7' (default: all)."}
+
     data: list[str] = option(help="Conversations to regenerate (JSONL/Parquet, `messages` or `conversations`, or embedded:train / embedded:heldout). Repeatable.")
     out: Path = option(help="Output JSONL (messages format, reasoning and tool calls as fields); work in progress lives in OUT.parts/ until every shard is done.")
     target: str | None = option(None, help="Target model directory (default: the embedded tiny target). With --server: its tokenizer checks the server's.")

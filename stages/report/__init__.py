@@ -13,11 +13,11 @@ def report(options: ReportOptions) -> None:
     """Convergence diagnostics: rolling means with confidence intervals, plateau/regression
     verdicts, cliffs, grad-norm anomalies, extrapolation, run-vs-run comparison, plots; with
     --eval, the decoded tau per kind of turn."""
-    from stages.report.run import follow_report, run_report  # no torch, but matplotlib: imported when it runs
+    from stages.report.run import default_plots_folder, follow_report, run_report  # no torch, but matplotlib: imported when it runs
 
     o = options
     settings = {"window_size": o.window, "every": o.every, "epochs": o.epochs, "steps_per_epoch": o.steps_per_epoch,
-                "reference_tau": o.reference_tau, "plots": o.out, "eval_file": o.eval_file}
+                "reference_tau": o.reference_tau, "plots": o.out or default_plots_folder(o.logs), "eval_file": o.eval_file}
     if o.follow:
         if o.interval <= 0:
             raise PipelineError(f"--interval must be > 0, got {o.interval}")

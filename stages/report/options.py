@@ -17,7 +17,7 @@ class ReportOptions(JsonOutput):
     epochs: float | None = option(None, help="Epochs of the full run, for extrapolation (default: the run's plan, else the last step).")
     steps_per_epoch: float | None = option(None, help="Steps per epoch, if the log does not record it.")
     reference_tau: float | None = option(None, help="Acceptance length of a reference drafter to hold the extrapolated tau against.")
-    out: Path = option(Path("dflash-report"), help="Folder for the PNG plots.")
+    out: Path | None = option(None, help="Folder for the PNG plots (default: report/ in the run directory of the first log given, RUN/report).")
     follow: bool = option(False, help="Re-draw the report (and the plots) as the logs grow, until every run reaches its last step; with --json, one JSON document per line per re-draw.")
     interval: float = option(10.0, help="With --follow: seconds between looks at the logs.")
     eval_file: Path | None = option(None, flag="--eval", help="A `pipeline eval --json` result: its decoded tau, pooled and per kind of turn (thinking / non-thinking / tool call), beside the verdicts, with a plot.")

@@ -19,8 +19,17 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.records.eval_result import read_decoded_taus
 from pipeline.report.analysis import analyse, compare_runs
+from pipeline.records.run_dir import RunDir
 from pipeline.report.logs import draft_vocab_of, log_path, read_run, run_finished
 from pipeline.report.plots import plot, plot_kinds
+
+
+def default_plots_folder(logs: list[Path]) -> Path:
+    """Where the plots go without --out: report/ in the run directory of the first log given
+    (the folder holding it, for a log file outside one); runs compared are drawn there together."""
+    if not logs:
+        raise PipelineError("give at least one train_log.jsonl")
+    return RunDir.holding(log_path(logs[0])).report
 
 
 def run_report(logs: list[Path], *, window_size: int | None, every: int | None, epochs: float | None,
@@ -59,8 +68,6 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
         if decoded is not None and decoded["by_kind"]:
             result["plots"].append(plot_kinds(decoded, plots))
     return result
-
-
 
 
 def follow_report(logs: list[Path], *, interval: float, show, timeout: float | None = None, **options) -> dict:

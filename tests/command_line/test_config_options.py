@@ -37,7 +37,7 @@ OTHER_FLAGS = {
                "--interval", "--eval", "--json"],
     "verify-cache": ["cache", "--shards", "--target", "--recompute", "--tail-rate", "--device", "--dtype",
                      "--sample-rate", "--show", "--seed", "--json"],
-    "demo": ["--out", "--quick", "--report-to", "--block-size", "--json"],
+    "demo": ["--out", "--quick", "--no-quick", "--report-to", "--block-size", "--json"],
     "cache-info": ["cache", "--draft-vocab", "--json"],
     "target-info": ["path", "--data", "--json"],
 }
@@ -69,17 +69,47 @@ def test_every_command_keeps_its_flags_each_with_help(command_name):
         assert param.param_type_name == "argument" or param.help, f"{command_name} {param.opts} has no help"
 
 
-def test_a_shared_option_says_the_same_in_every_command():
+# A shared option where a command means more by it than its block says (the command's OWN_HELP),
+# with words of what cli.py said of it before the blocks: what --seed draws, which shards --shards
+# writes, what --device and --dtype run.
+OWN_MEANINGS = {("generate", "--seed"): "(seed, row, turn)", ("generate", "--shards"): "writes",
+                ("extract", "--shards"): "writes", ("verify-cache", "--seed"): "the sampled chunks and samples",
+                ("verify-cache", "--device"): "the model checks run", ("verify-cache", "--dtype"): "for the checks",
+                ("eval", "--seed"): "the prompt's index only", ("eval", "--dtype"): "Target and drafter"}
+SHARED = {"--device": "device", "--dtype": "dtype", "--seed": "seed", "--shards": "shards", "--json": "json_out"}
+
+
+def help_of_flag(command_name: str, flag: str) -> str:
+    group = typer.main.get_command(app)
+    return next(p.help for p in group.commands[command_name].params if flag in p.opts)
+
+
+def test_a_shared_option_says_what_its_block_says_unless_the_command_means_more():
     """--device, --dtype, --seed, --shards and --json are declared once (stages/options.py); train's
     --dtype (autocast) and --seed (init, data order, anchors) are TrainConfig's own."""
+    from stages.options import Device, JsonOutput, Seeded, ShardSelection
+
+    declared = {f.name: f.metadata["help"] for block in (Device, Seeded, ShardSelection, JsonOutput)
+                for f in dataclasses.fields(block)}
     group = typer.main.get_command(app)
-    helps: dict[str, set] = {}
+    seen = set()
     for name, cmd in group.commands.items():
         for param in cmd.params:
-            if param.opts[0] in ("--device", "--shards", "--json") or (param.opts[0] in ("--dtype", "--seed") and name != "train"):
-                helps.setdefault(param.opts[0], set()).add(param.help)
-    assert set(helps) == {"--device", "--dtype", "--seed", "--shards", "--json"}
-    assert all(len(texts) == 1 for texts in helps.values()), helps
+            flag = param.opts[0]
+            if flag not in SHARED or (name, flag) in OWN_MEANINGS or (name == "train" and flag in ("--dtype", "--seed")):
+                continue
+            assert param.help == declared[SHARED[flag]], (name, flag)
+            seen.add(flag)
+    assert seen == {"--device", "--dtype", "--shards", "--json"}  # every command words its own --seed
+
+
+@pytest.mark.parametrize("command_name, flag", sorted(OWN_MEANINGS))
+def test_a_shared_option_says_what_it_means_in_its_command(command_name, flag):
+    assert OWN_MEANINGS[(command_name, flag)] in help_of_flag(command_name, flag)
+
+
+def test_demo_quick_keeps_its_off_switch():
+    assert {"--quick", "--no-quick"} <= declared_flags("demo")
 
 
 def test_only_declared_fields_are_options():
@@ -147,6 +177,46 @@ def test_flags_follow_the_field_and_undeclared_fields_are_not_options():
     help_text = runner.invoke(toy_app(seen), ["run", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}).output
     for flag, text in [("--count", "A count."), ("--ids", "Comma-separated ids."), ("--locks", "A switch, on by default.")]:
         assert flag in help_text and text in help_text
+
+
+@dataclasses.dataclass(kw_only=True)
+class Block:
+    seed: int = option(0, help="Any command's seed.")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Worded(Block):
+    OWN_HELP = {"seed": "This command's seed: what it draws."}
+    fast: bool = option(False, negatable=True, help="A switch off by default, with its off-switch.")
+
+
+def test_a_command_words_a_shared_option_itself_and_a_switch_may_keep_its_off_switch():
+    seen = []
+    worded = typer.Typer()
+
+    @worded.command()
+    @command(Worded)
+    def run(options: Worded) -> None:
+        seen.append(options)
+
+    @worded.command()
+    def other() -> None:
+        pass
+
+    help_text = runner.invoke(worded, ["run", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}).output
+    assert "This command's seed: what it draws." in help_text and "Any command's seed." not in help_text
+    assert "--no-fast" in help_text
+    assert runner.invoke(worded, ["run", "--fast", "--no-fast"]).exit_code == 0 and seen[-1].fast is False
+    assert runner.invoke(worded, ["run", "--fast"]).exit_code == 0 and seen[-1].fast is True
+
+
+def test_own_help_names_an_option_of_its_command():
+    @dataclasses.dataclass(kw_only=True)
+    class Misspelt(Block):
+        OWN_HELP = {"sede": "A typo."}
+
+    with pytest.raises(TypeError, match="Misspelt.OWN_HELP: sede"):
+        command(Misspelt)
 
 
 def test_an_option_the_cli_cannot_type_is_refused_when_declared():

@@ -22,9 +22,9 @@ from pipeline.data.prompts import read_prompts
 from pipeline.drafter.export import load_drafter
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.eval.batched import decode_rows
-from pipeline.eval.decode import block_decode, greedy, greedy_rows, tree_decode
-from pipeline.sampling import draw
-from pipeline.eval.sampling import Sampling
+from pipeline.eval.speculative_decoding import block_decode, greedy, greedy_rows, tree_decode
+from pipeline.sampler import draw
+from pipeline.eval.speculative_sampling import SpeculativeSampler
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target
 from pipeline.target_model.live import LiveTarget
 from stages.eval.options import EvalOptions
@@ -37,7 +37,7 @@ from stages.verify_cache.options import VerifyOptions
 from stages.verify_cache.run import run_verify
 
 MAX_NEW = 10
-SAMPLED = Sampling(temperature=1.0, top_p=0.9, seed=3)
+SAMPLED = SpeculativeSampler(temperature=1.0, top_p=0.9, seed=3)
 
 
 def test_a_sampled_token_is_drawn_on_the_device():

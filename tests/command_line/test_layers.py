@@ -108,7 +108,7 @@ FLOORS = [
     ("independent", ["pipeline.drafter"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
                 "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.machine", "pipeline.schedule",
-                "pipeline.sampling", "pipeline.threads",
+                "pipeline.sampler", "pipeline.threads",
                 "pipeline"]),
 ]
 

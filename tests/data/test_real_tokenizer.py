@@ -221,7 +221,7 @@ def test_prefill_computes_one_row_of_logits(real):
     from transformers import AutoModelForCausalLM
 
     from pipeline.generate.decoding import generate
-    from pipeline.eval.decode import greedy
+    from pipeline.eval.speculative_decoding import greedy
     from pipeline.target_model.live import LiveTarget
 
     model = AutoModelForCausalLM.from_pretrained(real["target"], dtype=torch.float32).eval()

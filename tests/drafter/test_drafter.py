@@ -79,7 +79,8 @@ def test_export_round_trip_and_names(tmp_path):
     export_drafter(drafter, out)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
-    assert config["dflash_config"] == {"target_layer_ids": [1, 3, 5], "mask_token_id": V - 1}
+    # No mask_token: a config built without the target's tokenizer has no text for its mask id.
+    assert config["dflash_config"] == {"target_layer_ids": [1, 3, 5], "mask_token_id": V - 1, "block_size": B}
     assert config["block_size"] == B and config["num_target_layers"] == 8
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())

@@ -21,7 +21,7 @@ import torch
 from pipeline.drafter.export import export_drafter, load_drafter, read_config
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
-from pipeline.eval.decode import draft_logits
+from pipeline.eval.speculative_decoding import draft_logits
 
 H, V, TAPS = 32, 64, 3
 KINDS = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -73,6 +73,52 @@ def test_a_drafter_without_sliding_layers_reads_back_as_its_config(tmp_path):
     export_drafter(model, tmp_path / "d")
     assert read_config(tmp_path / "d") == model.config
     assert model.config.window(0) is None
+
+
+def embedded_drafter(mask_token: str | int, block_size: int = 6) -> DFlashDrafter:
+    """A drafter of the embedded target with this mask token, its config resolved as train resolves it."""
+    from pipeline import embedded
+    from pipeline.config import TrainConfig
+    from pipeline.target_model import read_target_facts
+    from pipeline.training.geometry import drafter_config
+
+    facts = read_target_facts(embedded.TARGET_DIR)
+    cfg = TrainConfig(mask_token=mask_token, block_size=block_size, num_hidden_layers=1)
+    config = drafter_config(cfg, facts, embedded.TARGET_DIR, taps=[1, 2])
+    return DFlashDrafter(config, embed=torch.nn.Embedding(facts.vocab_size, facts.hidden_size),
+                         lm_head=torch.nn.Linear(facts.hidden_size, facts.vocab_size, bias=False))
+
+
+@pytest.mark.parametrize("given_as", ["text", "id"])
+def test_dflash_config_gives_sglang_the_block_size_and_the_mask_token(tmp_path, given_as):
+    """SGLang reads the block size and the mask token's text from dflash_config, and refuses a text
+    whose id in the target's tokenizer is not mask_token_id: the text is checked here with that
+    tokenizer itself, loaded as an engine loads it, whether --mask-token named the token or its id."""
+    from transformers import AutoTokenizer
+
+    from pipeline import embedded
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.TARGET_DIR, local_files_only=True)
+    mask = "<|MASK|>" if given_as == "text" else tokenizer.convert_tokens_to_ids("<|MASK|>")
+    model = embedded_drafter(mask, block_size=6)
+    export_drafter(model, tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    dflash = raw["dflash_config"]
+    assert dflash["block_size"] == raw["block_size"] == 6
+    assert tokenizer.convert_tokens_to_ids(dflash["mask_token"]) == dflash["mask_token_id"] == model.config.mask_token_id
+    assert read_config(tmp_path / "d").mask_token == dflash["mask_token"]
+
+
+def test_a_mask_row_past_the_tokenizer_is_exported_without_a_text(tmp_path):
+    """A mask id past the tokenizer's vocabulary (an embedding row no text produces) has no token
+    to name: dflash_config carries the id alone, and SGLang falls back to its own default text."""
+    from pipeline import embedded
+    from pipeline.target_model import load_tokenizer
+
+    past = len(load_tokenizer(embedded.TARGET_DIR))
+    export_drafter(embedded_drafter(past), tmp_path / "d")
+    dflash = json.loads((tmp_path / "d" / "config.json").read_text())["dflash_config"]
+    assert dflash["mask_token_id"] == past and "mask_token" not in dflash
 
 
 def test_a_window_without_use_sliding_window_is_refused(tmp_path):

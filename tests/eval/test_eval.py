@@ -9,7 +9,7 @@ from harness.runs import cli, cli_here, small_cache
 
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
-from pipeline.eval.decode import block_decode, greedy
+from pipeline.eval.speculative_decoding import block_decode, greedy
 from pipeline.target_model.live import LiveTarget
 from pipeline.eval.tree import build_tree
 from pipeline.data.prompts import read_prompts
@@ -230,7 +230,7 @@ def test_the_drafter_kv_cache_drafts_what_the_full_recompute_drafts(trained, liv
     import copy
 
     from pipeline.drafter.export import load_drafter
-    from pipeline.eval.decode import tree_decode
+    from pipeline.eval.speculative_decoding import tree_decode
 
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
@@ -327,7 +327,7 @@ def test_tree_verification_processes_each_node_once_and_equals_the_batched_paths
 
 def test_tree_and_paths_verification_decode_the_same_tokens(trained, live, prompts, embedded):
     from pipeline.drafter.export import load_drafter
-    from pipeline.eval.decode import tree_decode
+    from pipeline.eval.speculative_decoding import tree_decode
 
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
@@ -367,7 +367,7 @@ def test_batched_decoding_equals_one_prompt_at_a_time(trained, live, prompts, em
     DDTree 16 / 64; and one target pass per step for the whole batch."""
     from pipeline.drafter.export import load_drafter
     from pipeline.eval.batched import decode_rows
-    from pipeline.eval.decode import tree_decode
+    from pipeline.eval.speculative_decoding import tree_decode
 
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     drafter = load_drafter(trained / "drafter", embed=embed, lm_head=head).eval()
@@ -391,13 +391,13 @@ def test_plain_decoding_of_a_batch_equals_one_prompt_at_a_time(live, prompts):
     rows of different lengths, a repeated prompt, prompts finishing apart; greedy and sampled
     (each prompt's random numbers keyed by its own index, not its place in the batch); one target
     pass per step for the whole batch."""
-    from pipeline.eval.decode import greedy_rows
-    from pipeline.eval.sampling import Sampling
+    from pipeline.eval.speculative_decoding import greedy_rows
+    from pipeline.eval.speculative_sampling import SpeculativeSampler
 
     batch = [p["ids"] for p in prompts[40:45]] + [prompts[40]["ids"]]
     assert len({len(ids) for ids in batch}) > 3
     row_ids = [7, 3, 11, 0, 5, 9]
-    for sampling in (None, Sampling(temperature=1.0, top_p=0.9, seed=4)):
+    for sampling in (None, SpeculativeSampler(temperature=1.0, top_p=0.9, seed=4)):
         alone = [greedy(live, ids, max_new=24, eos=EOS, sampling=sampling, row=i) for ids, i in zip(batch, row_ids)]
         before = live.passes
         together = greedy_rows(live, batch, max_new=24, eos=EOS, sampling=sampling, row_ids=row_ids)
@@ -426,7 +426,7 @@ def test_eval_progress_is_plain_lines_in_a_log(trained, capsys):
 def test_tree_verify_auto_follows_its_rule():
     """The rule, spelled out: several prompts per pass need the tree pass; a target that takes no
     mask needs the paths; otherwise the size decides (20 M non-embedding parameters)."""
-    from pipeline.eval.decode import choose_tree_verify
+    from pipeline.eval.speculative_decoding import choose_tree_verify
 
     assert choose_tree_verify(1_700_000, batch_size=1, takes_mask=True)[0] == "paths"
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=True)[0] == "tree"

@@ -7,9 +7,9 @@ import pytest
 from harness.runs import cli_here
 
 from pipeline.data.prompts import read_prompts
-from pipeline.eval.decode import greedy
+from pipeline.eval.speculative_decoding import greedy
 from pipeline.eval.groups import KINDS
-from pipeline.eval.sampling import Sampling
+from pipeline.eval.speculative_sampling import SpeculativeSampler
 from pipeline.target_model import end_of_turn_ids
 from pipeline.target_model.live import LiveTarget
 from stages.eval.options import EvalOptions
@@ -96,7 +96,7 @@ def test_a_sampled_eval_writes_its_samples(trained_run, live, prompts, tokenizer
     eos = end_of_turn_ids(tokenizer)
     for i, (line, prompt) in enumerate(zip(lines, prompts)):
         assert set(line) == {"prompt", "kind", "plain_sampling", "block", "tree"}
-        drawn = greedy(live, prompt, max_new=16, eos=eos, sampling=Sampling(temperature=1.0, seed=5), row=i)
+        drawn = greedy(live, prompt, max_new=16, eos=eos, sampling=SpeculativeSampler(temperature=1.0, seed=5), row=i)
         assert line["plain_sampling"]["ids"] == drawn.tokens
         for out in (line["plain_sampling"], line["block"], line["tree"]["4"]):
             assert out["ids"] and out["text"] == tokenizer.decode(out["ids"])

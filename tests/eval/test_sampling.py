@@ -17,9 +17,9 @@ import torch
 
 from pipeline.data.prompts import read_prompts
 from pipeline.eval.batched import decode_rows
-from pipeline.eval.decode import block_decode, drafting, tree_decode
-from pipeline.sampling import draw, uniform
-from pipeline.eval.sampling import LosslessRule, Sampling
+from pipeline.eval.speculative_decoding import block_decode, drafting, tree_decode
+from pipeline.sampler import draw, uniform
+from pipeline.eval.speculative_sampling import LosslessRule, SpeculativeSampler
 from pipeline.target_model.live import LiveTarget
 from harness.sampling_stats import categories, chi_square, exact_continuations, simulated_power
 
@@ -87,7 +87,7 @@ def test_warping_matches_transformers_logits_processors(temperature, top_k, top_
     chain = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
                                 + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
     reference = torch.softmax(chain(None, logits.clone()), dim=-1)
-    ours = Sampling(temperature, top_p=top_p, top_k=top_k).warp(logits)
+    ours = SpeculativeSampler(temperature, top_p=top_p, top_k=top_k).warp(logits)
     assert torch.equal(ours > 0, reference > 0)
     torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
 
@@ -123,7 +123,7 @@ def test_sampled_decoding_is_the_same_alone_and_in_a_batch(live, drafter, prompt
     what eight single-prompt runs decode (block, and DDTree 16 verified as a tree and as paths),
     and another seed decodes others."""
     batch = prompts[:8]
-    sampling = Sampling(0.7, top_p=0.95, seed=11)
+    sampling = SpeculativeSampler(0.7, top_p=0.95, seed=11)
     for budget, verify in ((None, None), (16, "tree"), (16, "paths")):
         single = [block_decode(live, drafter, ids, max_new=24, eos=EOS, sampling=sampling, row=i) if budget is None
                   else tree_decode(live, drafter, ids, max_new=24, eos=EOS, budget=budget, sampling=sampling, row=i,
@@ -134,7 +134,7 @@ def test_sampled_decoding_is_the_same_alone_and_in_a_batch(live, drafter, prompt
         for one, many in zip(single, rows):
             assert many.tokens == one.tokens and many.accepted == one.accepted and many.drafts == one.drafts
         assert sum(sum(r.accepted) for r in rows) > 0
-    other = [block_decode(live, drafter, ids, max_new=24, eos=EOS, sampling=Sampling(0.7, top_p=0.95, seed=12), row=i)
+    other = [block_decode(live, drafter, ids, max_new=24, eos=EOS, sampling=SpeculativeSampler(0.7, top_p=0.95, seed=12), row=i)
              for i, ids in enumerate(batch)]
     assert [o.tokens for o in other] != [s.tokens for s in single]
 
@@ -186,7 +186,7 @@ def test_block_speculative_sampling_is_lossless_in_distribution(live, short_draf
     distribution) is at least 0.99."""
     drafter = short_drafter
     prompt = prompts[PROMPT_INDEX]
-    sampling = Sampling(**SETTING, seed=5)
+    sampling = SpeculativeSampler(**SETTING, seed=5)
     exact2 = exact_continuations(live.model, prompt, sampling.warp, 2, 1 / SAMPLES)
     exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / SAMPLES)
     cats2, cats4 = categories(exact2, SAMPLES), categories(exact4, SAMPLES)
@@ -206,7 +206,7 @@ def test_block_speculative_sampling_is_lossless_in_distribution(live, short_draf
     faults = _fault_distributions(live, drafter, prompt, sampling, exact1)
     for rule, name in ((SkippedRejection(), "skipped rejection"), (ResidualFromTarget(), "residual from p")):
         power = simulated_power(faults[name], exact2, cats2, SAMPLES, ALPHA)
-        planted = _samples(live, drafter, prompt, Sampling(**SETTING, seed=5, rule=rule), 2)
+        planted = _samples(live, drafter, prompt, SpeculativeSampler(**SETTING, seed=5, rule=rule), 2)
         statistic, df, p_value = chi_square(planted, exact2, cats2)
         figures[name] = {"power": power, "statistic": statistic, "df": df, "p_value": p_value}
         assert power >= 0.99, (name, power)
@@ -218,7 +218,7 @@ def test_ddtree_speculative_sampling_is_lossless_in_distribution(live, short_dra
     at temperature 2): continuations of four tokens against the target's exact distribution."""
     drafter = short_drafter
     prompt = prompts[PROMPT_INDEX]
-    sampling = Sampling(temperature=2.0, top_k=20, seed=9)
+    sampling = SpeculativeSampler(temperature=2.0, top_k=20, seed=9)
     exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / TREE_SAMPLES)
     cats4 = categories(exact4, TREE_SAMPLES)
     assert len(cats4) >= 5
@@ -264,7 +264,7 @@ def test_greedy_decoding_from_a_draft_vocabulary_is_the_target_greedy(live, draf
     decoding still emit the target's greedy tokens, its drafts stay inside the vocabulary, and some
     are accepted (the comparison is not vacuous)."""
     from harness.draft_vocab import with_draft_vocab
-    from pipeline.eval.decode import greedy
+    from pipeline.eval.speculative_decoding import greedy
 
     chosen = prompts[:3]
     plain = [greedy(live, p, max_new=24, eos=EOS).tokens for p in chosen]
@@ -289,7 +289,7 @@ def test_speculative_sampling_from_a_draft_vocabulary_is_lossless_in_distributio
     from harness.draft_vocab import with_draft_vocab
 
     prompt = prompts[PROMPT_INDEX]
-    sampling = Sampling(**SETTING, seed=7)
+    sampling = SpeculativeSampler(**SETTING, seed=7)
     exact4 = exact_continuations(live.model, prompt, sampling.warp, 4, 1 / TREE_SAMPLES)
     cats4 = categories(exact4, TREE_SAMPLES)
     likely = sorted(exact4, key=exact4.get, reverse=True)[:3]

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.data.prompts import read_prompts
-from pipeline.eval.decode import Decoded, greedy
+from pipeline.eval.speculative_decoding import Decoded, greedy
 from pipeline.eval.summary import summarise
 from pipeline.eval.ties import judge_departures, tie_tolerance
 from pipeline.target_model.live import LiveTarget

@@ -3,11 +3,13 @@
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from harness.runs import cli, cli_here
 from pipeline.errors import PipelineError
+from pipeline.records.run_dir import RunDir
 from stages.report.run import run_report
 
 STEPS = range(10, 2001, 10)   # 200 entries, 100 steps per epoch
@@ -116,6 +118,24 @@ def test_cli_writes_plots_and_json(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     human = cli_here("report", str(a), "--out", str(tmp_path / "plots2"))
     assert human.returncode == 0 and "verdict" in human.stdout and "improving" in human.stdout
+
+
+def test_plots_land_in_the_run_directory_without_out(tmp_path, monkeypatch):
+    """Without --out the plots go to RUN/report/ of the first run given, not into the directory
+    the command runs from (a checkout's root once collected a dflash-report/ of them)."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    other.mkdir()
+    write_log(RunDir(run).train_log, healthy)
+    write_log(RunDir(other).train_log, lambda s: healthy(s) + 0.05, seed=3)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    result = cli_here("report", str(run), str(other), "--json")
+    assert result.returncode == 0, result.stderr
+    plots = [Path(p) for p in json.loads(result.stdout)["plots"]]
+    assert len(plots) == 4 and all(p.parent == RunDir(run).report for p in plots) and all(p.is_file() for p in plots)
+    assert list(elsewhere.iterdir()) == [] and not (other / "report").exists()
 
 
 def test_a_malformed_log_line_is_one_clear_error(tmp_path):

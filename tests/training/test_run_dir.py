@@ -16,7 +16,7 @@ RUN = RunDir(Path("RUN"))
 NAMED = {"drafter": RUN.drafter, "run_record": RUN.run_record,
          "train_log": RUN.train_log, "verdicts": RUN.verdicts, "owner": RUN.owner, "owner_lock": RUN.owner_lock,
          "tracker_ids": RUN.tracker_ids, "tensorboard": RUN.tensorboard, "mlflow_store": RUN.mlflow_store,
-         "mlflow_artifacts": RUN.mlflow_artifacts,
+         "mlflow_artifacts": RUN.mlflow_artifacts, "report": RUN.report,
          # the README writes a checkpoint (and so the checkpoints folder) as checkpoints/step-N/
          "checkpoint": Path(re.sub(r"\d+", "N", RUN.checkpoint(500).as_posix()))}
 

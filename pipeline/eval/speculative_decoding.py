@@ -1,5 +1,7 @@
-"""Greedy decoding, block speculative decoding and DDTree speculative decoding; greedy unless a
-`Sampling` is given (then plain sampling and lossless speculative sampling: sampling.py).
+"""Speculative decoding of one prompt against the live target, block and DDTree, and the plain
+decoding it is measured against (greedy, one prompt or a batch of rows); greedy unless a
+`SpeculativeSampler` is given (then plain sampling and lossless speculative sampling:
+speculative_sampling.py). Several prompts per verify pass: batched.py.
 
 Speculative decoding is lossless by construction: greedy, every emitted token is the target's own
 greedy choice given the tokens before it; sampled, every emitted token is distributed as the
@@ -17,7 +19,7 @@ import torch
 from pipeline.drafter.incremental import DraftContext
 from pipeline.target_model.live import LiveTarget
 from pipeline.target_model.plain_rows import decode_plainly
-from pipeline.eval.sampling import Sampling, target_tokens
+from pipeline.eval.speculative_sampling import SpeculativeSampler, target_tokens
 from pipeline.eval.tree import build_tree
 
 
@@ -40,13 +42,13 @@ def _finish(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool
     return False
 
 
-def _choose(logits: torch.Tensor, position: int, sampling: Sampling | None, row: int) -> int:
+def _choose(logits: torch.Tensor, position: int, sampling: SpeculativeSampler | None, row: int) -> int:
     """The target's token at `position` from its logits there: the argmax, or a draw."""
     return int(logits.argmax()) if sampling is None else sampling.pick(row, position, logits)
 
 
 def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int],
-           sampling: Sampling | None = None, row: int = 0) -> Decoded:
+           sampling: SpeculativeSampler | None = None, row: int = 0) -> Decoded:
     """Plain decoding, one target pass a token: greedy, or sampled with `sampling` (prompt index
     `row` keys its random numbers)."""
     start = target.passes
@@ -63,7 +65,7 @@ def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]
 
 @torch.no_grad()
 def greedy_rows(target: LiveTarget, prompts: list[list[int]], *, max_new: int, eos: set[int],
-                sampling: Sampling | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
+                sampling: SpeculativeSampler | None = None, row_ids: list[int] | None = None) -> list[Decoded]:
     """`greedy` for several prompts at once: one target pass per token for all of them, each
     prompt exactly as alone (pipeline/target_model/plain_rows.py); a prompt that finishes leaves
     the batch. Sampled, `row_ids[i]` (default i) keys prompt i's random numbers, so it draws the
@@ -111,7 +113,7 @@ def drafting(drafter, cached: bool = True):
     return DraftContext(drafter) if cached else Recomputed(drafter)
 
 
-def _prefill(target: LiveTarget, prompt: list[int], context, sampling: Sampling | None = None, row: int = 0):
+def _prefill(target: LiveTarget, prompt: list[int], context, sampling: SpeculativeSampler | None = None, row: int = 0):
     """(committed state, position of the first new token, that token); the prompt's tapped hidden
     states go into the drafter's context."""
     pre = target.run(prompt, None, 0, with_hidden=context is not None, last_only=True)
@@ -121,7 +123,7 @@ def _prefill(target: LiveTarget, prompt: list[int], context, sampling: Sampling 
 
 
 def block_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int],
-                 draft=None, cached: bool = True, sampling: Sampling | None = None, row: int = 0) -> Decoded:
+                 draft=None, cached: bool = True, sampling: SpeculativeSampler | None = None, row: int = 0) -> Decoded:
     """Block speculative decoding. `draft(anchor, pos) -> [B-1] tokens` overrides the drafter
     (tests use an oracle; with `sampling` it returns [B-1, V] logits); `cached=False` drafts
     without the drafter's KV cache (the reference). With `sampling`: speculative sampling, its
@@ -195,7 +197,7 @@ def choose_tree_verify(non_embedding_parameters: int, *, batch_size: int, takes_
 
 def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int, eos: set[int], budget: int,
                 top_k: int = 8, cached: bool = True, verify: str = "tree", draft=None,
-                sampling: Sampling | None = None, row: int = 0) -> Decoded:
+                sampling: SpeculativeSampler | None = None, row: int = 0) -> Decoded:
     """DDTree: verify a best-first draft tree in one target pass and follow the target's choices
     down it. `verify="tree"` processes each tree node once (an ancestor mask for the attention
     layers, per-node recurrent states from the parent's for the Gated DeltaNet layers);
@@ -203,7 +205,7 @@ def tree_decode(target: LiveTarget, drafter, prompt: list[int], *, max_new: int,
     the exactness reference). Either way the committed state is cut out of that one pass.
     `draft(anchor, pos) -> [B-1, V] logits` overrides the drafter (benchmarks use an oracle).
     With `sampling`: the tree is built from the drafter's warped q and walked by drawing from the
-    target's p at each depth (sampling.py), its random numbers keyed by prompt index `row`."""
+    target's p at each depth (speculative_sampling.py), its random numbers keyed by prompt index `row`."""
     if verify not in TREE_VERIFY:
         raise ValueError(f"verify must be one of {TREE_VERIFY}, got {verify!r}")
     start = target.passes
@@ -250,8 +252,8 @@ def _follow(tree, choice_at) -> tuple[list[int], int, list[int]]:
 @dataclass(frozen=True)
 class Chooser:
     """The target's token after a tree node from that node's logits, at depth d (position
-    pos + 1 + d): the argmax, or a draw from p (sampling.py's DDTree rule)."""
-    sampling: Sampling | None
+    pos + 1 + d): the argmax, or a draw from p (speculative_sampling.py's DDTree rule)."""
+    sampling: SpeculativeSampler | None
     row: int
     pos: int
 

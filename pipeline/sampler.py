@@ -15,7 +15,7 @@ output files, eval's sampled tokens and taus), and they differ by design:
     its key (`uniform`: seed, prompt index, position, purpose), from the renormalised warp.
     Keyed, not streamed, so a prompt draws the same tokens alone or in a batch of any size, in
     any order, and one position can have independent numbers for several purposes (speculative
-    sampling's draft, acceptance test and residual: pipeline/eval/sampling.py).
+    sampling's draft, acceptance test and residual: pipeline/eval/speculative_sampling.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sampled decoding and lossless speculative sampling (`pipeline eval --temperature T`).
 
 Distributions: the target's p and the drafter's q are both warped by the one warp of
-pipeline/sampling.py (logits / temperature, then top-k, then top-p, renormalised: the serving
+pipeline/sampler.py (logits / temperature, then top-k, then top-p, renormalised: the serving
 engines' order), the warp `pipeline generate` samples from too.
 
 Block drafts (one drafter pass gives q_k for every slot k, none conditioned on the other draft
@@ -19,7 +19,7 @@ and c_2 is tried against it, and so on; when no child is accepted the token is d
 last residual. That is exactly drawing y ~ p and following the child equal to y (emitting y
 when none is): what `tree_choice` does, one draw per depth.
 
-Randomness is keyed, not streamed (pipeline/sampling.py `uniform`): every number is a hash of
+Randomness is keyed, not streamed (pipeline/sampler.py `uniform`): every number is a hash of
 (seed, prompt index, sequence position, purpose), so a prompt decodes the same tokens alone or in
 a batch of any size, in any order. A position's purposes (the draft, the acceptance test, the
 residual draw, a draw from p) use independent numbers; a draft redrawn at a position a rejection
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.sampling import Sampler, draw, draw_rows, uniform
+from pipeline.sampler import Sampler, draw, draw_rows, uniform
 
 TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
 
@@ -53,8 +53,8 @@ class LosslessRule:
 
 
 @dataclass(frozen=True)
-class Sampling(Sampler):
-    """eval's sampling: the one sampler's warp and keyed draw (pipeline/sampling.py), its numbers
+class SpeculativeSampler(Sampler):
+    """eval's sampler: the one sampler's warp and keyed draw (pipeline/sampler.py), its numbers
     keyed by `seed`, and speculative sampling's rule."""
     seed: int = 0
     rule: LosslessRule = field(default_factory=LosslessRule, compare=False)
@@ -100,7 +100,7 @@ class Sampling(Sampler):
         return torch.log(self.warp(logits_DV))
 
 
-def target_tokens(logits_NV: torch.Tensor, keys: Iterable[tuple[int, int]], sampling: Sampling | None) -> list[int]:
+def target_tokens(logits_NV: torch.Tensor, keys: Iterable[tuple[int, int]], sampling: SpeculativeSampler | None) -> list[int]:
     """The target's token from each row of logits, row n's at keys[n] = (prompt index, position):
     the argmax, or a keyed draw from p; every row's in one read back to the host. `keys` is read
     only when sampling: callers pass a generator, so greedy decoding builds no keys."""
