@@ -214,7 +214,9 @@ class TrainConfig:
     num_epochs: int = option(6, help="Epochs over the cache.")
     max_steps: int | None = option(None, help="Stop after this many optimizer steps (default: num_epochs of the cache).")
     batch_sequences: int = option(16, help="Sequences per optimizer step, all ranks together.")
-    micro_batch_sequences: int = option(1, help="Sequences per forward on one rank (gradient accumulation).")
+    # The memory bound, not a fixed size: how a share is cut under it depends on the device
+    # (pipeline/training/micro_batches.py).
+    micro_batch_sequences: int = option(1, help="Most sequences per forward on one rank: the memory bound (gradients accumulate over the forwards). On the CPU a step's share is cut by size into possibly more forwards where that saves padding; on a GPU into the fewest this bound allows.")
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -57,7 +57,8 @@ def cache_or_extract(cache: Path | None, tmp: str) -> Path:
     return cache
 
 
-def setup(cache: Path):
+def setup(cache: Path, device: torch.device | None = None):
+    """The tiny preset's config, reader and step runner on `device` (default: the GPU if any, else the CPU)."""
     cfg, _ = resolve_config(None, {"cache": str(cache), "out": str(cache.parent / "run")})
     reader = CacheReader(cache)
     target = resolve_target(cfg.target, recorded_in_cache(reader.manifest))
@@ -65,7 +66,8 @@ def setup(cache: Path):
     config = drafter_config(cfg, facts, target, reader.manifest.identity.capture.target_layer_ids)
     embed, head = frozen_target_modules(target)
     torch.manual_seed(0)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)

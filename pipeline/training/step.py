@@ -22,7 +22,7 @@ from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
 from pipeline.training.loss import PLAIN_CE, supervised_loss
 from pipeline.training.metrics import add_sums, finish_metrics, hit_sums, metric_sums
-from pipeline.training.micro_batches import Sizes, cut, per_query_work
+from pipeline.training.micro_batches import Sizes, cut, forward_cost_on, per_query_work
 from pipeline.training.objectives import needs_distribution
 
 
@@ -69,6 +69,9 @@ class StepRunner:
         self.block_gamma = math.inf if self.dpace_alpha is not None else gamma
         self._term_sums: dict[str, torch.Tensor] = {}
         self.per_query = per_query_work(drafter.config, head_rows=drafter.lm_head_weight.shape[0])
+        # How the share is cut depends on the device: on the CPU by the measured cost of a forward,
+        # on an accelerator into the fewest forwards (micro_batches.py).
+        self.forward_cost = forward_cost_on(device)
 
     def preparer(self, epoch: int):
         cfg, config = self.cfg, self.drafter.config
@@ -101,12 +104,14 @@ class StepRunner:
                            vocab=self.drafter.draft_vocab is not None)
 
     def micro_batches(self, items: list) -> list[list]:
-        """The rank's share cut into micro-batches of like-size sequences (micro_batches.py)."""
+        """The rank's share cut into micro-batches of like-size sequences, at most `--micro-batch-sequences`
+        a forward (micro_batches.py)."""
         cap = self.plan.micro
         if self.stream_order:
             return [items[i:i + cap] for i in range(0, len(items), cap)]
         sizes = [Sizes.of(seq) for _, seq in items]
-        return [[items[i] for i in run] for run in cut(sizes, cap, per_query=self.per_query)]
+        runs = cut(sizes, cap, per_query=self.per_query, forward_cost=self.forward_cost)
+        return [[items[i] for i in run] for run in runs]
 
     def take_tokens(self) -> int:
         tokens, self._tokens = self._tokens, 0
