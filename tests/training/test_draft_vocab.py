@@ -379,3 +379,56 @@ def test_a_decision_on_rank_0_reaches_every_rank_and_so_does_its_failure(tmp_pat
     assert zero["fails"]["ZeroDivisionError"] == "integer division or modulo by zero"
     assert one["fails"]["PipelineError"] == "rank 0 failed while testing (ZeroDivisionError: integer division or modulo by zero)"
 
+
+# --------------------------------------------------------------------------- cache-info sizes K as train will
+
+
+@pytest.fixture(scope="module")
+def long_rows_cache(tmp_path_factory, train_rows):
+    """Two samples of 10 conversations each (about 800 tokens, 200 supervised past token 512): the
+    shipped rows alone never pass the tiny preset's max_length of 512."""
+    from harness.runs import write_rows
+    from pipeline.config import ExtractConfig
+    from stages.extract.run import run_extract
+
+    plain = [r for r in train_rows if not r.get("tools") and r["messages"][0]["role"] == "user"
+             and r["chat_template_kwargs"]["enable_thinking"]]
+    rows = [{"id": f"long-{i}", "chat_template_kwargs": {"enable_thinking": True},
+             "messages": [m for r in plain[10 * i:10 * (i + 1)] for m in r["messages"]]} for i in range(2)]
+    root = tmp_path_factory.mktemp("long")
+    data = write_rows(root / "convs.jsonl", rows)
+    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=1), None, progress=False)
+    return root / "cache"
+
+
+def test_cache_info_counts_the_labels_train_counts(long_rows_cache, tmp_path):
+    """cache-info --draft-vocab gives the coverage and label count that train records in run.json
+    for the same K on the same cache: at the preset's max_length (512 for tiny; it counted at
+    3,072 before), at a TOML config's, and at --max-length's against a plain count."""
+    from harness.runs import cli_here
+
+    cache = str(long_rows_cache)
+    assert sum(plain_count(cache, 512, 3072).values()) > sum(plain_count(cache, 512, 512).values())  # a cut that matters
+    toml = tmp_path / "train.toml"
+    toml.write_text("[train]\nmax_length = 300\n")
+    for extra, length, source in (((), 512, "preset tiny"), (("--config", str(toml)), 300, str(toml))):
+        run = tmp_path / f"run{length}"
+        done = cli_here("train", "--cache", cache, "--out", str(run), "--max-steps", "1", "--batch-sequences", "2",
+                        "--draft-vocab", "64", *extra)
+        assert done.returncode == 0, done.stderr
+        recorded = json.loads((run / "run.json").read_text())
+        assert recorded["config"]["max_length"] == length
+        info = cli_here("cache-info", cache, "--draft-vocab", "64", *extra, "--json")
+        assert info.returncode == 0, info.stderr
+        sized = json.loads(info.stdout)["draft_vocab"]
+        assert sized["rows"][0]["coverage"] == recorded["draft_vocab"]["coverage"]
+        assert sized["labels"] == recorded["draft_vocab"]["labels_counted"]
+        assert (sized["max_length"], sized["max_length_from"]) == (length, source)
+
+    info = cli_here("cache-info", cache, "--draft-vocab", "64", "--max-length", "40", "--json")
+    sized = json.loads(info.stdout)["draft_vocab"]
+    assert (sized["max_length"], sized["max_length_from"]) == (40, "--max-length")
+    assert sized["labels"] == sum(plain_count(cache, 512, 40).values())
+    alone = cli_here("cache-info", cache, "--max-length", "40")
+    assert alone.returncode != 0 and "pass --draft-vocab K too" in alone.stderr
+
