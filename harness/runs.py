@@ -77,8 +77,9 @@ def cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(["pipeline", *args], result.exit_code, result.stdout, stderr)
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 600, preexec_fn=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+def torchrun(nproc: int, *args: str, timeout: int = 600, preexec_fn=None, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(free_port()), "-m", "cli", *args],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)

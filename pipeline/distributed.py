@@ -102,6 +102,40 @@ def init_layout(tp: int) -> Layout:
     return Layout(world_size=world_size, rank=rank, tp=tp, tp_group=tp_group)
 
 
+def broadcast_from_rank0(value, world: int):
+    """Rank 0's `value` (any picklable object) on every rank of the default group; `value` itself
+    when world is 1."""
+    if world == 1:
+        return value
+    # NCCL carries the object through a GPU: this rank's own, named here (as run_claim's claim
+    # does) so that no rank falls back to GPU 0 whatever device the caller has set
+    device = torch.device("cuda", local_rank()) if dist.get_backend() == "nccl" else None
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
+def decided_on_rank0(decide, *, rank: int, world: int, what: str):
+    """`decide()` run on rank 0 alone and its result on every rank: for work every rank would
+    otherwise repeat (reading the whole cache). A PipelineError it raises stops every rank with
+    the same line; any other error stops rank 0 with its traceback and the others with one line
+    naming it, so no rank waits on a broadcast that rank 0 never sends."""
+    result, refusal = None, None
+    if rank == 0:
+        try:
+            result = decide()
+        except PipelineError as e:
+            refusal = str(e)
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it is
+            first_line = next(iter(str(e).splitlines()), "")
+            broadcast_from_rank0((None, f"rank 0 failed while {what} ({type(e).__name__}: {first_line})"), world)
+            raise
+    result, refusal = broadcast_from_rank0((result, refusal), world)
+    if refusal is not None:
+        raise PipelineError(refusal)
+    return result
+
+
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 

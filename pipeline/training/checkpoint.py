@@ -22,6 +22,7 @@ from pipeline.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.cache.manifest import Manifest
 from pipeline.config import TrainConfig
 from pipeline.drafter.export import export_drafter, read_config, split_head
+from pipeline.drafter.vocab import DraftVocab
 from pipeline.training.plan import gathered_state
 from pipeline.training.step import all_sum
 from pipeline.errors import PipelineError
@@ -171,16 +172,46 @@ def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict
     """(where the run starts, whether it resumed): the last checkpoint under `out` loaded into the
     drafter and optimizer when there is one and it may be resumed (same config but for
     RESUMABLE_CHANGES, same cache); a fresh start otherwise."""
+    found = resumable_checkpoint(out, resume=resume, cfg=cfg, identity=identity)
+    if found is None:
+        return Position(), False
+    path, state = found
+    load_checkpoint(path, drafter=drafter, optimizer=optimizer)
+    return Position(step=state["step"], epoch=state["epoch"], position=state["position"],
+                    elapsed0=state.get("elapsed_s", 0.0), tokens0=state.get("tokens_seen", 0)), True
+
+
+def resumable_checkpoint(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict) -> tuple[Path, dict] | None:
+    """(the last checkpoint under `out`, its trainer state) when the run will resume from it; None
+    for a fresh start. Refuses, as resume_position does, checkpoints with resume off and a
+    checkpoint whose config or cache differ from this run's."""
     found = list_checkpoints(out)
     if not found:
-        return Position(), False
+        return None
     if not resume:
         raise PipelineError(f"{out}: has checkpoints up to {found[-1].name}; resume (the default) or choose a new --out")
     state = read_state(found[-1])
     check_resumable(found[-1], state, cfg, identity)
-    load_checkpoint(found[-1], drafter=drafter, optimizer=optimizer)
-    return Position(step=state["step"], epoch=state["epoch"], position=state["position"],
-                    elapsed0=state.get("elapsed_s", 0.0), tokens0=state.get("tokens_seen", 0)), True
+    return found[-1], state
+
+
+def saved_draft_vocab(path: Path, vocab_size: int) -> DraftVocab | None:
+    """The draft vocabulary a checkpoint's drafter was trained with (its d2t), None without one;
+    only that tensor is read."""
+    from safetensors import safe_open
+
+    weights = CheckpointDir(path).drafter / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
+        raise PipelineError(f"{weights}: unreadable ({e}); delete this checkpoint to resume from the one before it") from None
+    if d2t is None:
+        return None
+    try:
+        return DraftVocab.from_d2t(d2t, vocab_size)
+    except PipelineError as e:
+        raise PipelineError(f"{weights}: d2t: {e}") from None
 
 
 def cache_identity(manifest: Manifest) -> dict:

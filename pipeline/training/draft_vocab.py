@@ -18,7 +18,8 @@ Always in, whatever their count (a vocabulary must never lose them):
 A label outside the vocabulary cannot be drafted: the slot is left out of the loss (EAGLE-3's and
 speculators' rule: their position mask drops targets outside the draft vocabulary) and counted in
 the metrics as a miss (a slot the drafter cannot get accepted), and its share is logged as
-`outside_vocab`. The run records the set's size, digest, coverage and what was reserved.
+`outside_vocab`. The run records the set's size, digest, coverage and what was reserved. Which
+rank counts, and what a resume reuses instead: pipeline/training/run_vocab.py.
 """
 
 from __future__ import annotations

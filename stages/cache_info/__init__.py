@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from pipeline.errors import PipelineError
 from pipeline.ui.options import command
 from stages.cache_info.options import CacheInfoOptions
 from stages.cache_info.show import show_cache_info
+from stages.options import config_file
 
 
 @command(CacheInfoOptions)
 def cache_info(options: CacheInfoOptions) -> None:
-    """What a cache holds, from its records alone (no array is read): identity, completeness,
-    kernel provenance per shard, hosts, environments, counts, bytes per token."""
+    """What a cache holds, from its records (manifest and shard commit records; no array is read
+    unless --draft-vocab asks to count the labels): identity, completeness, kernel provenance per
+    shard, hosts, environments, counts, bytes per token."""
     from stages.cache_info.run import run_cache_info  # imports zarr: `pipeline --help` stays fast
 
-    show_cache_info(run_cache_info(options.cache, options.draft_vocab), options.json_out)
+    if not options.draft_vocab and (options.config is not None or options.max_length is not None):
+        raise PipelineError("--config and --max-length only size --draft-vocab: pass --draft-vocab K too")
+    train_config = config_file(options.config, "train.toml") if options.draft_vocab else None
+    show_cache_info(run_cache_info(options.cache, options.draft_vocab, train_config=train_config,
+                                   max_length=options.max_length), options.json_out)

@@ -1,63 +1,87 @@
-"""`pipeline cache-info LOCATION`: what a cache holds, from its records alone (never its arrays):
+"""`pipeline cache-info LOCATION`: what a cache holds, from its records alone (no array is read):
 identity, completeness, provenance grouped by shard, counts and bytes (pipeline/cache/info.py).
 With `--draft-vocab K[,K...]` it also reads the labels (the stored argmax and loss mask, one pass)
 and reports the coverage each K's draft vocabulary would give (pipeline/training/draft_vocab.py):
-how to size `pipeline train --draft-vocab` on a first real shard before training."""
+how to size `pipeline train --draft-vocab` on a first real shard before training. The labels are
+counted within the max_length train would use, resolved by train's own resolve_config from the
+same places (the cache's preset, the TOML config, --max-length)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pipeline.cache.info import cache_info
 from pipeline.cache.address import open_location
 
 
-def run_cache_info(cache: str, draft_vocab: list[int] | None = None) -> dict:
+def run_cache_info(cache: str, draft_vocab: list[int] | None = None, *, train_config: Path | None = None,
+                   max_length: int | None = None) -> dict:
     location = open_location(cache)
     location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     info = cache_info(location)
     if draft_vocab:
-        info["draft_vocab"] = draft_vocab_coverage(cache, draft_vocab)
+        info["draft_vocab"] = draft_vocab_coverage(cache, draft_vocab, train_config=train_config, max_length=max_length)
     return info
 
 
-def draft_vocab_coverage(cache: str, sizes: list[int]) -> dict:
-    """{max_length, labels, distinct, rows: [{size, coverage, reserved, byte_fallbacks}]} for each
-    K, chosen and counted as `pipeline train --draft-vocab K` would (at train's default max_length)."""
+def draft_vocab_coverage(cache: str, sizes: list[int], *, train_config: Path | None = None,
+                         max_length: int | None = None) -> dict:
+    """{max_length, max_length_from, labels, distinct, rows: [{size, coverage, reserved,
+    byte_fallbacks}]} for each K, chosen and counted as `pipeline train --cache CACHE [--config
+    FILE] [--max-length N] --draft-vocab K` would."""
     from pipeline.cache.reader import open_cache
-    from pipeline.config import TrainConfig
     from pipeline.target_model import load_tokenizer, read_target_facts, recorded_in_cache, resolve_target
     from pipeline.training.draft_vocab import check_size, count_labels, coverage, vocab_from_counts
 
+    cfg, max_length_from = train_settings(cache, train_config, max_length)
     reader = open_cache(cache)
-    target = resolve_target(None, recorded_in_cache(reader.manifest))
+    target = resolve_target(cfg.target, recorded_in_cache(reader.manifest))
     vocab_size = read_target_facts(target).vocab_size
     tokenizer = load_tokenizer(target)
-    mask = _mask_id(cache, target)
-    max_length = TrainConfig.max_length
+    mask = _mask_id(cfg.mask_token, target)
     for k in sizes:  # before the pass over the cache
         check_size(k, vocab_size)
-    counts = count_labels(reader, vocab_size, max_length)
+    counts = count_labels(reader, vocab_size, cfg.max_length)
     rows = []
     for k in sizes:
         ids, kept = vocab_from_counts(counts, tokenizer, size=k, vocab_size=vocab_size, mask_id=mask)
         rows.append({"size": k, "coverage": round(coverage(counts, ids), 6), "reserved": len(kept["reserved"]),
                      "byte_fallbacks": len(kept["bytes"])})
-    return {"max_length": max_length, "labels": int(counts.sum()), "distinct": int((counts > 0).sum()),
-            "target_vocab": vocab_size, "rows": rows}
+    return {"max_length": cfg.max_length, "max_length_from": max_length_from, "labels": int(counts.sum()),
+            "distinct": int((counts > 0).sum()), "target_vocab": vocab_size, "rows": rows}
 
 
-def _mask_id(cache: str, target) -> int:
-    """The mask id train would use by default (the matching preset's, else its default token), -1
-    when it cannot be resolved (then the mask token counts as reserved: one slot)."""
+def train_settings(cache: str, train_config: Path | None, max_length: int | None):
+    """(the TrainConfig `pipeline train --cache CACHE [--config FILE] [--max-length N]` resolves,
+    where its max_length came from): train's own resolution, so the two cannot drift apart."""
+    from stages.train.run import resolve_config
+
+    cfg, _ = resolve_config(train_config, {"cache": cache, "max_length": max_length})
+    return cfg, max_length_source(train_config, max_length, cfg.preset)
+
+
+def max_length_source(train_config: Path | None, max_length: int | None, preset: str | None) -> str:
+    """Which of resolve_config's layers (CLI > TOML [train] > preset > default) set max_length."""
     from presets import load_preset
-    from pipeline.config import TrainConfig
-    from pipeline.training.compat import match_preset
+    from pipeline.config import TrainConfig, read_config_file
+
+    if max_length is not None:
+        return "--max-length"
+    if "max_length" in read_config_file(TrainConfig, train_config, section="train"):
+        return str(train_config)
+    if preset and "max_length" in load_preset(preset).get("drafter", {}):
+        return f"preset {preset}"
+    return "train's default"
+
+
+def _mask_id(mask_token, target) -> int:
+    """The mask id train would use, -1 when it cannot be resolved (then the mask token counts as
+    reserved: one slot)."""
     from pipeline.errors import PipelineError
     from pipeline.target_model import read_target_facts
     from pipeline.training.geometry import mask_token_id
 
     try:
-        name = match_preset(cache)
-        token = load_preset(name).get("target", {}).get("mask_token", TrainConfig.mask_token) if name else TrainConfig.mask_token
-        return mask_token_id(token, target, read_target_facts(target))
+        return mask_token_id(mask_token, target, read_target_facts(target))
     except (PipelineError, OSError):
         return -1

@@ -43,7 +43,8 @@ def show_cache_info(info: dict, json_out: bool) -> None:
     if info.get("draft_vocab"):
         dv = info["draft_vocab"]
         rows.append(("supervised labels (distinct)", f"{dv['labels']:,} ({dv['distinct']:,} of {dv['target_vocab']:,} ids; "
-                                                     f"first {dv['max_length']:,} tokens of each sample)"))
+                                                     f"first {dv['max_length']:,} tokens of each sample: train's "
+                                                     f"max_length, from {dv['max_length_from']})"))
         rows += [(f"draft vocabulary {r['size']:,}: coverage", f"{r['coverage']:.2%} (reserved {r['reserved']}, byte "
                                                                f"fallbacks {r['byte_fallbacks']})") for r in dv["rows"]]
     console.print(key_value_table("cache-info", [(k, escape(str(v))) for k, v in rows]))

@@ -39,7 +39,6 @@ from pipeline.report.live import LiveVerdicts
 from pipeline.target_model import (
     frozen_target_modules,
     identity_claims,
-    load_tokenizer,
     read_target_facts,
     recorded_in_cache,
     resolve_target,
@@ -48,13 +47,13 @@ from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.training.blocks import default_gamma
 from pipeline.training.checkpoint import cache_identity, resume_position, unguarded
 from pipeline.training.compat import check_compatible, kernel_paths, match_preset
-from pipeline.training.draft_vocab import choose_draft_vocab
 from pipeline.training.geometry import check_mask_absent, drafter_config
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
 from pipeline.training.objectives import describe_slot_weights
 from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
 from pipeline.training.run_claim import claim_for_job
+from pipeline.training.run_vocab import run_draft_vocab
 from pipeline.training.step import StepRunner, autocast_dtype
 
 
@@ -155,11 +154,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     config = drafter_config(cfg, facts, target_dir, list(manifest.identity.capture.target_layer_ids))
     check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg, device) or torch.float32
-    vocab, vocab_record = None, None
-    if cfg.draft_vocab is not None:  # every rank counts the same labels: the same vocabulary, no collective
-        vocab, vocab_record = choose_draft_vocab(reader, load_tokenizer(target_dir), size=cfg.draft_vocab,
-                                                 vocab_size=facts.vocab_size, mask_id=config.mask_token_id,
-                                                 max_length=cfg.max_length)
+    # Counted on rank 0 alone and sent to the others; on resume, the checkpoint's (run_vocab.py)
+    vocab, vocab_record = run_draft_vocab(cfg, reader, target_dir, vocab_size=facts.vocab_size,
+                                          mask_id=config.mask_token_id, resume=resume, rank=rank, world=world,
+                                          warn=warn)
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
     drafter, path = new_drafter(cfg, config, embed, head, device, vocab)
     del head  # with a draft vocabulary the drafter keeps only its K rows

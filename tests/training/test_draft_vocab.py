@@ -2,12 +2,16 @@
 the tokens a vocabulary always keeps (the embedded tokenizer's reserved tokens; the real Qwen3.6
 tokenizer's byte fallbacks), the loss with K = V equal to today's bit for bit, the loss, its
 gradients and the metrics with K < V against a plain full-vocabulary computation with the
-excluded logits removed, and the export in the format vLLM and speculators read."""
+excluded logits removed, and the export in the format vLLM and speculators read. Issue 69: a run
+counts the cache once (rank 0 alone under torchrun; a resume not at all), and cache-info sizes K
+at the max_length train resolves."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,3 +245,190 @@ def test_train_with_a_draft_vocabulary_records_it_resumes_only_with_it_and_eval_
     assert ev.returncode == 0, ev.stderr
     result = json.loads(ev.stdout)
     assert result["block"]["identical_to_greedy"] == 2 and result["tree"]["4"]["identical_to_greedy"] == 2
+
+
+# --------------------------------------------------------------------------- chosen once per run (issue 69)
+
+VOCAB_RUN = ("--max-steps", "2", "--batch-sequences", "4", "--log-every", "1", "--checkpoint-every", "1",
+             "--draft-vocab", "64", "--json")
+
+
+def label_files(cache) -> set[Path]:
+    """Every chunk file of the cache's label arrays: what counting the vocabulary opens."""
+    return {p.resolve() for a in ("target_argmax", "loss_mask") for p in Path(cache).glob(f"shard-*/{a}/c.*")}
+
+
+def train_log(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def vocab_run(twelve_rows_cache, tmp_path_factory):
+    """One process, --draft-vocab 64, 2 steps with a checkpoint after each: the reference the
+    two-rank run and the resumes are compared with. Tests copy it before writing."""
+    from harness.runs import cli_here
+
+    run = tmp_path_factory.mktemp("vocab") / "run"
+    done = cli_here("train", "--cache", str(twelve_rows_cache["cache"]), "--out", str(run), *VOCAB_RUN)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+def test_only_rank_0_counts_and_every_rank_drafts_from_its_vocabulary(twelve_rows_cache, vocab_run, tmp_path):
+    """Two gloo ranks: the label files opened to count (a Python audit hook in each process,
+    harness/label_reads.py) are rank 0's alone, each of the cache's once at least; rank 1 opens
+    labels only for its batches. Both ranks draft from the one-process run's vocabulary: the
+    run logs what one process logs (a rank with other ids would put other labels in the loss)."""
+    from harness.label_reads import label_reads, label_reads_env
+    from harness.runs import torchrun
+
+    cache, run = twelve_rows_cache["cache"], tmp_path / "run"
+    result = torchrun(2, "train", "--cache", str(cache), "--out", str(run), *VOCAB_RUN,
+                      env=label_reads_env(tmp_path / "reads"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reads = label_reads(tmp_path / "reads")
+    assert {Path(p).resolve() for p in reads[0]["counting"]} == label_files(cache)
+    assert reads[1]["counting"] == [] and reads[1]["other"], reads[1]
+    record, reference = (json.loads((r / "run.json").read_text()) for r in (run, vocab_run))
+    assert record["world_size"] == 2 and record["draft_vocab"] == reference["draft_vocab"]
+    two, one = train_log(run), train_log(vocab_run)
+    assert [x["step"] for x in two] == [y["step"] for y in one] == [1, 2]
+    for x, y in zip(two, one):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5) and x["outside_vocab"] == pytest.approx(y["outside_vocab"])
+        assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1e-6)
+
+
+def test_a_refusal_on_rank_0_stops_every_rank_with_its_line(twelve_rows_cache, tmp_path):
+    """K = 8 is below the embedded tokenizer's 9 reserved tokens: rank 0's refusal reaches rank 1,
+    which stops with the same line instead of waiting for the vocabulary."""
+    from harness.runs import torchrun
+
+    result = torchrun(2, "train", "--cache", str(twelve_rows_cache["cache"]), "--out", str(tmp_path / "run"),
+                      "--max-steps", "1", "--draft-vocab", "8", timeout=300)
+    errors = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 2 and len(set(errors)) == 1, result.stderr[-3000:]
+    assert "--draft-vocab 8: smaller than the 9 tokens a vocabulary keeps" in errors[0]
+
+
+def test_a_resume_takes_the_vocabulary_from_its_checkpoint_without_counting(twelve_rows_cache, vocab_run, tmp_path):
+    """Resumed from step 1, the run opens no label file to count (it opens them to train step 2),
+    keeps run.json's record as it was and logs step 2 as the uninterrupted run did."""
+    from harness.label_reads import label_reads, label_reads_env
+    from harness.runs import cli
+
+    run = tmp_path / "run"
+    shutil.copytree(vocab_run, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000002")
+    shutil.rmtree(run / "drafter")
+    resumed = cli("train", "--cache", str(twelve_rows_cache["cache"]), "--out", str(run), *VOCAB_RUN,
+                  env={**label_reads_env(tmp_path / "reads"), "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reads = label_reads(tmp_path / "reads")
+    assert reads[0]["counting"] == [] and reads[0]["other"], reads
+    record, reference = (json.loads((r / "run.json").read_text()) for r in (run, vocab_run))
+    assert record["resumed_from_step"] == 1 and record["draft_vocab"] == reference["draft_vocab"]
+    assert [x["step"] for x in train_log(run)] == [1, 2]
+    assert train_log(run)[1]["loss"] == pytest.approx(train_log(vocab_run)[1]["loss"], rel=1e-6)
+
+
+def test_a_resume_needs_no_readable_label(twelve_rows_cache, vocab_run, tmp_path):
+    """The same cache with every label chunk zeroed (its records untouched, so the resume's cache
+    check passes): counting it fails on the first checksum, yet a resume from the last checkpoint
+    (the export still to write) succeeds with the checkpoint's vocabulary and run.json's record."""
+    from harness.runs import cli_here
+
+    cache = tmp_path / "cache"
+    shutil.copytree(twelve_rows_cache["cache"], cache)
+    for f in label_files(cache):
+        f.write_bytes(bytes(f.stat().st_size))
+    fresh = cli_here("train", "--cache", str(cache), "--out", str(tmp_path / "fresh"), *VOCAB_RUN)
+    assert fresh.returncode != 0 and "CRC32C mismatch" in fresh.stderr, fresh.stderr
+
+    run = tmp_path / "run"
+    shutil.copytree(vocab_run, run)
+    shutil.rmtree(run / "drafter")
+    resumed = cli_here("train", "--cache", str(cache), "--out", str(run), *VOCAB_RUN)
+    assert resumed.returncode == 0, resumed.stderr
+    record = json.loads((run / "run.json").read_text())
+    assert record["resumed_from_step"] == 2
+    assert record["draft_vocab"] == json.loads((vocab_run / "run.json").read_text())["draft_vocab"]
+    exported = load_file(str(run / "drafter" / "model.safetensors"))["d2t"]
+    assert DraftVocab.from_d2t(exported, 512).digest() == record["draft_vocab"]["sha256"]
+
+
+def test_a_decision_on_rank_0_reaches_every_rank_and_so_does_its_failure(tmp_path):
+    """pipeline.distributed.decided_on_rank0 on two gloo ranks (tests/training/rank0_decision_worker.py):
+    only rank 0 runs the decision; its result, its refusal's line, or a line naming its bug (rank
+    0 keeps the bug's own exception) reach rank 1, which never waits for a broadcast that is not sent."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.ports import free_port
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(Path(__file__).parent / "rank0_decision_worker.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert {case: report["ran"] for case, report in zero.items()} == {"succeeds": 1, "refuses": 1, "fails": 1}
+    assert {case: report["ran"] for case, report in one.items()} == {"succeeds": 0, "refuses": 0, "fails": 0}
+    assert zero["succeeds"]["result"] == one["succeeds"]["result"] == {"ids": [3, 5, 8], "from_rank": 0}
+    refusal = "--draft-vocab 8: smaller than the 9 tokens a vocabulary keeps"
+    assert zero["refuses"]["PipelineError"] == one["refuses"]["PipelineError"] == refusal
+    assert zero["fails"]["ZeroDivisionError"] == "integer division or modulo by zero"
+    assert one["fails"]["PipelineError"] == "rank 0 failed while testing (ZeroDivisionError: integer division or modulo by zero)"
+
+
+# --------------------------------------------------------------------------- cache-info sizes K as train will
+
+
+@pytest.fixture(scope="module")
+def long_rows_cache(tmp_path_factory, train_rows):
+    """Two samples of 10 conversations each (about 800 tokens, 200 supervised past token 512): the
+    shipped rows alone never pass the tiny preset's max_length of 512."""
+    from harness.runs import write_rows
+    from pipeline.config import ExtractConfig
+    from stages.extract.run import run_extract
+
+    plain = [r for r in train_rows if not r.get("tools") and r["messages"][0]["role"] == "user"
+             and r["chat_template_kwargs"]["enable_thinking"]]
+    rows = [{"id": f"long-{i}", "chat_template_kwargs": {"enable_thinking": True},
+             "messages": [m for r in plain[10 * i:10 * (i + 1)] for m in r["messages"]]} for i in range(2)]
+    root = tmp_path_factory.mktemp("long")
+    data = write_rows(root / "convs.jsonl", rows)
+    run_extract(ExtractConfig(cache=str(root / "cache"), data=[str(data)], num_shards=1), None, progress=False)
+    return root / "cache"
+
+
+def test_cache_info_counts_the_labels_train_counts(long_rows_cache, tmp_path):
+    """cache-info --draft-vocab gives the coverage and label count that train records in run.json
+    for the same K on the same cache: at the preset's max_length (512 for tiny; it counted at
+    3,072 before), at a TOML config's, and at --max-length's against a plain count."""
+    from harness.runs import cli_here
+
+    cache = str(long_rows_cache)
+    assert sum(plain_count(cache, 512, 3072).values()) > sum(plain_count(cache, 512, 512).values())  # a cut that matters
+    toml = tmp_path / "train.toml"
+    toml.write_text("[train]\nmax_length = 300\n")
+    for extra, length, source in (((), 512, "preset tiny"), (("--config", str(toml)), 300, str(toml))):
+        run = tmp_path / f"run{length}"
+        done = cli_here("train", "--cache", cache, "--out", str(run), "--max-steps", "1", "--batch-sequences", "2",
+                        "--draft-vocab", "64", *extra)
+        assert done.returncode == 0, done.stderr
+        recorded = json.loads((run / "run.json").read_text())
+        assert recorded["config"]["max_length"] == length
+        info = cli_here("cache-info", cache, "--draft-vocab", "64", *extra, "--json")
+        assert info.returncode == 0, info.stderr
+        sized = json.loads(info.stdout)["draft_vocab"]
+        assert sized["rows"][0]["coverage"] == recorded["draft_vocab"]["coverage"]
+        assert sized["labels"] == recorded["draft_vocab"]["labels_counted"]
+        assert (sized["max_length"], sized["max_length_from"]) == (length, source)
+
+    info = cli_here("cache-info", cache, "--draft-vocab", "64", "--max-length", "40", "--json")
+    sized = json.loads(info.stdout)["draft_vocab"]
+    assert (sized["max_length"], sized["max_length_from"]) == (40, "--max-length")
+    assert sized["labels"] == sum(plain_count(cache, 512, 40).values())
+    alone = cli_here("cache-info", cache, "--max-length", "40")
+    assert alone.returncode != 0 and "pass --draft-vocab K too" in alone.stderr
+
