@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.cache.info import cache_info
 from pipeline.cache.address import open_location
+from pipeline.training.train_config import max_length_source, resolve_config
 
 
 def run_cache_info(cache: str, draft_vocab: list[int] | None = None, *, train_config: Path | None = None,
@@ -54,24 +55,8 @@ def draft_vocab_coverage(cache: str, sizes: list[int], *, train_config: Path | N
 def train_settings(cache: str, train_config: Path | None, max_length: int | None):
     """(the TrainConfig `pipeline train --cache CACHE [--config FILE] [--max-length N]` resolves,
     where its max_length came from): train's own resolution, so the two cannot drift apart."""
-    from stages.train.run import resolve_config
-
     cfg, _ = resolve_config(train_config, {"cache": cache, "max_length": max_length})
     return cfg, max_length_source(train_config, max_length, cfg.preset)
-
-
-def max_length_source(train_config: Path | None, max_length: int | None, preset: str | None) -> str:
-    """Which of resolve_config's layers (CLI > TOML [train] > preset > default) set max_length."""
-    from presets import load_preset
-    from pipeline.config import TrainConfig, read_config_file
-
-    if max_length is not None:
-        return "--max-length"
-    if "max_length" in read_config_file(TrainConfig, train_config, section="train"):
-        return str(train_config)
-    if preset and "max_length" in load_preset(preset).get("drafter", {}):
-        return f"preset {preset}"
-    return "train's default"
 
 
 def _mask_id(mask_token, target) -> int:

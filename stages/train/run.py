@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from presets import load_preset
 from pipeline.allocator import keep_freed_buffers_mapped
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
-from pipeline.config import TrainConfig, load_config, read_config_file
+from pipeline.config import TrainConfig
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
 from pipeline.drafter.export import export_drafter
@@ -46,7 +45,7 @@ from pipeline.target_model import (
 from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.training.blocks import default_gamma
 from pipeline.training.checkpoint import cache_identity, resume_position, unguarded
-from pipeline.training.compat import check_compatible, kernel_paths, match_preset
+from pipeline.training.compat import check_compatible, kernel_paths
 from pipeline.training.geometry import check_mask_absent, drafter_config
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
@@ -55,27 +54,7 @@ from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
 from pipeline.training.run_claim import claim_for_job
 from pipeline.training.run_vocab import run_draft_vocab
 from pipeline.training.step import StepRunner, autocast_dtype
-
-
-def resolve_config(path: Path | None, overrides: dict) -> tuple[TrainConfig, dict | None]:
-    """TrainConfig from defaults < preset < TOML `[train]` < CLI; and the preset's [target] table."""
-    chosen = {**read_config_file(TrainConfig, path, section="train"), **{k: v for k, v in overrides.items() if v is not None}}
-    name = chosen.get("preset") or match_preset(chosen.get("cache", TrainConfig.cache))
-    base, preset_target = {}, None
-    if name:
-        preset = load_preset(name)
-        preset_target = preset.get("target", {})
-        base = {k: v for k, v in preset_target.items() if k in ("target_layer_ids", "mask_token")}
-        base.update(preset.get("drafter", {}))
-        base["preset"] = name
-    cfg = load_config(TrainConfig, path, overrides, section="train", base=base)
-    # D-PACE replaces the decay, so a gamma the user chose would be ignored: refused. A preset's
-    # gamma is its decay recipe's, not a choice about this run; run.json says it is unused.
-    if cfg.position_weight == "dpace" and chosen.get("gamma") is not None:
-        raise PipelineError(f"gamma: position_weight 'dpace' does not use gamma (its slot weights come from the "
-                            f"drafter's own confidence); remove gamma from {path or 'the options'}, or use "
-                            "--position-weight decay")
-    return cfg, preset_target
+from pipeline.training.train_config import resolve_config  # noqa: F401 (train's entry point, for demo and the tests)
 
 
 def check_complete(cfg: TrainConfig, manifest, warn) -> dict:
