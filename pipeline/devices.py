@@ -13,12 +13,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The test kit's simulated accelerator (harness/simulated_device.py: a device that is not the
 # host, on a machine without a GPU), set only while a test runs under it.
 _simulated: torch.device | None = None
+# Its autocast: torch has none for a device that is not compiled in, so the kit brings its own.
+_simulated_autocast = None
 
 
-def simulate_accelerator(device: torch.device | None) -> None:
-    """Make `auto` (where no GPU is) and `sim` resolve to `device`; None ends it."""
-    global _simulated
-    _simulated = device
+def simulate_accelerator(device: torch.device | None, autocast=None) -> None:
+    """Make `auto` (where no GPU is) and `sim` resolve to `device`, whose autocast context is
+    `autocast(dtype)`; None ends it."""
+    global _simulated, _simulated_autocast
+    _simulated, _simulated_autocast = device, autocast
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision on `device` (`torch.autocast`), the simulated accelerator's own under the kit."""
+    if _simulated is not None and device == _simulated:
+        return _simulated_autocast(dtype)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def simulated() -> torch.device | None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from pipeline.cache.schema import SAMPLE_ID
 from pipeline.config import TrainConfig, parse_loss
+from pipeline.devices import autocast
 from pipeline.training.batch import (anchor_generator, final_hidden, forward_logits, loss_sum, noise_generator, pack,
                                      placeholder, prepare)
 from pipeline.errors import PipelineError
@@ -96,7 +97,7 @@ class StepRunner:
     def _autocast(self):
         if self.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast)
+        return autocast(self.device, self.autocast)
 
     def _placeholder(self):
         capture_k = 8 if self.soft else None

@@ -128,6 +128,29 @@ def extracted(tmp_path_factory, train_rows):
     return root
 
 
+def test_bf16_training_takes_autocast_on_the_device_as_on_the_host(extracted, tmp_path):
+    """`--dtype bfloat16` on the device: the step runs under autocast (CUDA's op lists, the frozen
+    embedding and head in bf16), as a GPU's does. The reference is the host's run under torch's
+    CPU autocast; the two lists differ for softmax and reductions (float32 on CUDA, bf16 on the
+    CPU), so the losses agree to bf16's precision, not bit for bit."""
+    def train(out, device_run):
+        cfg, preset_target = resolve_config(None, {"cache": str(extracted / "host"), "out": str(out), "max_steps": 2,
+                                                   "log_every": 1, "batch_sequences": 2, "num_anchors": 32,
+                                                   "dtype": "bfloat16"})
+        if device_run:
+            with simulated_accelerator():
+                run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+        else:
+            run_train(cfg, preset_target=preset_target, warn=lambda *_: None)
+        record = json.loads((out / "run.json").read_text())
+        return record, [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+    (device_record, device), (host_record, host) = train(tmp_path / "device", True), train(tmp_path / "host", False)
+    for record in (device_record, host_record):
+        assert (record["autocast"], record["frozen_dtype"]) == ("torch.bfloat16", "bfloat16"), record
+    assert device == pytest.approx(host, rel=2e-2)
+
+
 def test_extract_on_the_device_stores_what_the_host_stores_and_verifies(extracted):
     # ids and masks exact, predictions' ids 99%, values within rtol 0.02 (harness/caches.py)
     assert_same_content(extracted / "host", extracted / "device", exact=False, atol=1e-3)
