@@ -6,17 +6,26 @@ by query. Here a whole training step (the drafter's loss over micro-batches of s
 lengths and anchor counts, backward, every parameter's gradient) with attention "flex" equals the
 same step with attention "split", in full and sliding-window layers: flex's eager backward, which
 torch 2.13 refuses on the CPU, runs through harness/flex_cpu_backward.py.
+
+And the compiled path: compiled for every shape at once (`dynamic=True`), flex attention compiles
+a bounded number of graphs however many shapes the steps bring, with the split path's outputs and
+gradients. Inductor cannot compile flex attention with dynamic shapes on the CPU (a C++ compile
+error in torch 2.13) nor its backward at all (pytorch issue #148752): these tests compile with the
+"aot_eager" backend, whose dynamo guards (what decides a recompile) are the ones inductor starts
+from (BENCHMARKS.md "Flex attention on the CPU (issue 67)").
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
+import torch._dynamo.testing
 
 from harness import loss_batches as lb
 from harness.flex_cpu_backward import flex_backward_on_cpu
 from pipeline.config import TrainConfig
-from pipeline.drafter.model import DFlashDrafter, DrafterConfig
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig, _compiled_flex, flex_attention, split_block_attention
 from pipeline.training.batch import anchor_generator, prepare
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
@@ -87,3 +96,69 @@ def test_the_scaffold_leaves_torch_as_it_was():
         with pytest.raises(ValueError, match="only supported on"):
             fa._validate_device(q, q, q)
     assert fa._validate_device is before
+
+
+# Shapes of a run's micro-batches: (sequences, context tokens, anchors). Every one at least 2
+# sequences and 2 tiles of 128 queries and keys, as a GPU step's are: dynamo specialises sizes 0
+# and 1, so a micro-batch of one sequence (or one tile) compiles once more (BENCHMARKS.md).
+SHAPES = [(2, 150, 9), (3, 201, 12), (2, 260, 10), (4, 175, 17), (2, 300, 20), (3, 133, 9)]
+HEADS, KV_HEADS, DIM, ATTN_BLOCK = 4, 2, 8, 16
+
+
+def attention_inputs(seed: int, s: int, t: int, a: int):
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.sort(torch.randint(1, t + 1, (s, a), generator=g), dim=1).values
+    q = torch.randn(s, HEADS, a * ATTN_BLOCK, DIM, generator=g, requires_grad=True)
+    k = torch.randn(s, KV_HEADS, t + a * ATTN_BLOCK, DIM, generator=g, requires_grad=True)
+    v = torch.randn(s, KV_HEADS, t + a * ATTN_BLOCK, DIM, generator=g, requires_grad=True)
+    return q, k, v, anchors
+
+
+def test_compiled_flex_compiles_once_for_every_shape():
+    """Six micro-batch shapes through the compiled flex path (mask and kernel, both window kinds,
+    forward and backward): one mask graph and one kernel graph per window kind, all at the first
+    shape, and every output and gradient is the split path's."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    windows = {None, 24}
+    frames = []
+    with flex_backward_on_cpu():
+        for i, (s, t, a) in enumerate(SHAPES):
+            q, k, v, anchors = attention_inputs(i, s, t, a)
+            attend = flex_attention(anchors, t, a * ATTN_BLOCK, windows, compiled=True, backend=counter)
+            for window in sorted(windows, key=str):
+                got = attend(q, k, v, window)
+                want = split_block_attention(q, k, v, t, anchors, window)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                upstream = torch.randn_like(want)
+                for g, e in zip(torch.autograd.grad(got, (q, k, v), upstream),
+                                torch.autograd.grad(want, (q, k, v), upstream)):
+                    torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+            frames.append(counter.frame_count)
+    _compiled_flex.cache_clear()  # the counter's compiled functions: not for later tests
+    torch._dynamo.reset()
+    # The mask and the kernel once per window kind (the mask rule differs), at the first shape;
+    # nothing after it.
+    assert frames == [2 * len(windows)] * len(SHAPES), frames
+
+
+def test_a_static_compile_compiles_once_a_shape(monkeypatch):
+    """What the dynamic compile replaces, and proof that the counter counts: the kernel compiled for
+    static shapes (`dynamic=False`, the code before issue 67) is one more graph for each new shape
+    (the masks made eagerly here, to count the kernel alone)."""
+    from torch.nn.attention import flex_attention as fa
+    from pipeline.drafter import model
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    static = (fa.create_block_mask, torch.compile(fa.flex_attention, dynamic=False, backend=counter))
+    monkeypatch.setattr(model, "_compiled_flex", lambda backend: static)
+    torch._dynamo.reset()
+    frames = []
+    with torch.no_grad():
+        for i, (s, t, a) in enumerate(SHAPES[:3]):
+            q, k, v, anchors = attention_inputs(i, s, t, a)
+            q, k, v = q.detach(), k.detach(), v.detach()
+            got = flex_attention(anchors, t, a * ATTN_BLOCK, {None}, compiled=True)(q, k, v, None)
+            torch.testing.assert_close(got, split_block_attention(q, k, v, t, anchors), rtol=1e-5, atol=1e-6)
+            frames.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert frames == [1, 2, 3]
