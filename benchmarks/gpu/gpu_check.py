@@ -21,12 +21,16 @@ Stage two at the flagship shape (issue 17):
 
 1. equality: a small drafter (hidden 1024, a sliding-window layer then a full one, 16 anchors),
    fp32, the same batch and weights: loss and every parameter's gradient of the flex-attention
-   path and of the split path against the dense-mask path (max relative difference).
+   path and of the split path against the dense-mask path (max relative difference); then flex
+   against split directly over micro-batches of four shapes (sequences, tokens, anchors), as the
+   steps of a run change them, and the graphs torch compiled for flex attention over them
+   (issue 67: compiled for dynamic shapes, a handful for a whole run, not one a step). On the
+   CPU (--smoke) flex runs eager, its backward through harness/flex_cpu_backward.py: no graphs.
 2. the reference-geometry drafter (hidden 5120, 32 q / 8 kv heads of 128, intermediate 17408,
    4 sliding-window (2048) layers + 1 full, vocabulary 248,320), random weights: full training
    steps (forward with flex attention, the chunked loss, backward, AdamW) on sequences of 3,072
    tokens x 512 anchors x block 16 under bf16 autocast, for micro-batches 1, 2, 4, 8 until one
-   does not fit: peak GPU memory and tokens/s of each that fits.
+   does not fit: peak GPU memory, tokens/s and the flex-attention graphs compiled for each that fits.
 3. draft vocabulary (issue 58): the step of (2) at micro-batch 1 with the whole vocabulary and
    with draft vocabularies of 65,536 and 32,768 tokens (labels from the first 32,768 ids, so each
    runs its head on the same rows): seconds per step, peak memory, ratios to the whole one.
@@ -38,6 +42,7 @@ Stage two at the flagship shape (issue 17):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -56,6 +61,7 @@ from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path, block_mask  # noqa: E402
 from pipeline.drafter.vocab import DraftVocab  # noqa: E402
 from harness.draft_vocab import with_draft_vocab  # noqa: E402
+from harness.flex_cpu_backward import flex_backward_on_cpu  # noqa: E402
 
 TAPS = [1, 16, 31, 46, 61]
 FLAGSHIP = dict(hidden=5120, vocab=248_320, layers=5, heads=32, kv=8, head_dim=128, intermediate=17408, window=2048,
@@ -108,19 +114,54 @@ def loss_and_grads(drafter, packed, path: str):
     return float(loss / packed.weights.sum()), {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
 
 
+def rel_grad_diff(grads: dict, ref: dict) -> float:
+    """The largest of every parameter's max |difference| / max |reference gradient|."""
+    return max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref.items())
+
+
+def flex_graphs() -> dict[str, int]:
+    """Graphs torch holds compiled for flex attention's two compiled functions (dynamo's cache
+    entries of their code: one per shape class it compiled); {} where this torch cannot say."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+        from torch.nn.attention import flex_attention as fa
+        return {"create_block_mask": len(entries(fa.create_block_mask.__code__)),
+                "flex_attention": len(entries(fa.flex_attention.__code__))}
+    except Exception:  # noqa: BLE001 - a private API: its absence is not a failure of the check
+        return {}
+
+
+def graphs_since(before: dict[str, int]) -> dict[str, int]:
+    return {name: n - before.get(name, 0) for name, n in flex_graphs().items()}
+
+
 def equality(device, smoke: bool) -> dict:
     s = dict(SMOKE) if smoke else dict(hidden=1024, vocab=32_000, layers=2, heads=8, kv=2, head_dim=128,
                                        intermediate=2048, window=96, tokens=512, anchors=16, block=16)
+    before = flex_graphs()
     drafter = make_drafter(s, device)
     drafter.float()
     packed = make_batch(s, 2).to(device)
     ref_loss, ref = loss_and_grads(drafter, packed, "dense")
     out = {}
-    for path in (["flex", "split"] if device.type == "cuda" else ["split"]):
-        loss, grads = loss_and_grads(drafter, packed, path)
-        rel = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref.items())
-        out[path] = {"loss": loss, "dense_loss": ref_loss, "loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss),
-                     "max_rel_grad_diff": rel}
+    # On the CPU torch refuses flex attention's backward: the scaffold lets its eager one run.
+    with flex_backward_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
+        for path in ("flex", "split"):
+            loss, grads = loss_and_grads(drafter, packed, path)
+            out[path] = {"loss": loss, "dense_loss": ref_loss, "loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss),
+                         "max_rel_grad_diff": rel_grad_diff(grads, ref)}
+        rows = []
+        # (sequences, tokens, anchors) of four micro-batches: a new shape each, as a run's steps.
+        for i, (n, tokens, anchors) in enumerate(((2, 160, 8), (1, 128, 6), (3, 192, 10), (2, 144, 7)) if smoke else
+                                                  ((2, 512, 16), (1, 384, 12), (3, 640, 20), (2, 448, 24))):
+            batch = make_batch(dict(s, tokens=tokens, anchors=anchors), n, seed=1 + i).to(device)
+            flex_loss, flex = loss_and_grads(drafter, batch, "flex")
+            split_loss, split = loss_and_grads(drafter, batch, "split")
+            rows.append({"sequences": n, "tokens": tokens, "anchors": anchors,
+                         "loss_rel_diff": abs(flex_loss - split_loss) / abs(split_loss),
+                         "max_rel_grad_diff": rel_grad_diff(flex, split)})
+    out["flex_vs_split"] = {"shapes": rows, "flex": "compiled" if device.type == "cuda" else "eager (CPU)",
+                            "flex_graphs_compiled": graphs_since(before)}
     return {"shape": s, "fp32": True, **out}
 
 
@@ -138,6 +179,7 @@ def steps(device, s: dict, micro: int, repeats: int, draft_vocab: int | None = N
     packed = make_batch(s, micro, vocab=drafter.draft_vocab, labels_below=labels_below).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     times = []
+    before = flex_graphs()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i in range(repeats + 1):  # the first compiles flex attention: not timed
@@ -155,7 +197,7 @@ def steps(device, s: dict, micro: int, repeats: int, draft_vocab: int | None = N
     tokens = micro * s["tokens"]
     out = {"micro_batch": micro, "fits": True, "seconds_per_step": round(float(np.median(times)), 4),
            "tokens_per_s": round(tokens / float(np.median(times)), 1), "loss": float(loss / packed.weights.sum()),
-           "attention_path": attention_path(drafter.attention, device)}
+           "attention_path": attention_path(drafter.attention, device), "flex_graphs_compiled": graphs_since(before)}
     if device.type == "cuda":
         out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out

@@ -229,11 +229,15 @@ def split_attention(anchors_BA, context_len: int):
     return attend
 
 
-def flex_attention(anchors_BA, context_len: int, query_len: int, windows: set, *, compiled: bool):
+def flex_attention(anchors_BA, context_len: int, query_len: int, windows: set, *, compiled: bool,
+                   backend: str | object = "inductor"):
     """torch's flex attention with a `BlockMask` from the anchors (one per window kind): tiles
     of queries x keys that the rule masks entirely are skipped, so the cost follows the visible
-    keys (about a + B per query), not T + Q. CUDA in training (compiled); on the CPU torch runs
-    it forward only (eval, the equality tests). The rule is `split_block_attention`'s."""
+    keys (about a + B per query), not T + Q. CUDA in training (compiled: the mask's creation and
+    the kernel, by `backend`); on the CPU torch runs it eager and forward only (eval, the equality
+    tests; tests/training/test_flex_step.py runs its backward through
+    harness/flex_cpu_backward.py). The
+    rule is `split_block_attention`'s."""
     from torch.nn.attention import flex_attention as fa
 
     b, a = anchors_BA.shape
@@ -251,19 +255,38 @@ def flex_attention(anchors_BA, context_len: int, query_len: int, windows: set, *
             return context_ok | block_ok
         return mask_mod
 
-    masks = {w: fa.create_block_mask(rule(w), b, None, query_len, kv_len, device=anchors_BA.device, _compile=compiled)
-             for w in windows}
-    kernel = _compiled_flex() if compiled else fa.flex_attention
+    create = _compiled_flex(backend)[0] if compiled else fa.create_block_mask
+    masks = {w: create(rule(w), b, None, query_len, kv_len, device=anchors_BA.device) for w in windows}
+    kernel = _compiled_flex(backend)[1] if compiled else fa.flex_attention
 
     def attend(q, k, v, window):
+        if compiled:
+            # Heads and head size are the model's, static. Marked before the call: flex attention
+            # marks them inside, which is too late for dynamo's duck sizing, which gave the micro-batch
+            # size the heads' symbol wherever they were equal and so a graph for each (issue 67).
+            for x in (q, k, v):
+                torch._dynamo.mark_static(x, 1)
+                torch._dynamo.mark_static(x, 3)
         return kernel(q, k, v, block_mask=masks[window], enable_gqa=True)
     return attend
 
 
 @functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention as kernel
-    return torch.compile(kernel, dynamic=False)
+def _compiled_flex(backend: str | object = "inductor"):
+    """(create_block_mask, flex_attention), each compiled for every shape at once (issue 67). Each
+    training step packs its own micro-batch: sequences, context length and query count change from
+    step to step. Before issue 67 the kernel was compiled for static shapes (`dynamic=False`; the
+    mask, by `_compile=True`, with dynamo's default): a graph for every new shape, and once a
+    function held 8 (dynamo's recompile limit) it ran uncompiled for every new shape after, flex
+    attention unfused, every [Q, T + Q] score materialised. Compiled for dynamic shapes, each holds
+    one graph per layer kind (the sliding rule is another mask function) and one more per kind for
+    a micro-batch of one sequence or of one 128-key tile (dynamo specialises sizes 0 and 1),
+    however many shapes follow: BENCHMARKS.md "Flex attention on the CPU (issue 67)". Padding to
+    size buckets would keep static kernels, but compile once a bucket, pad every layer's q, k and v,
+    and with three sizes varying still pass the limit."""
+    from torch.nn.attention import flex_attention as fa
+    return (torch.compile(fa.create_block_mask, dynamic=True, backend=backend),
+            torch.compile(fa.flex_attention, dynamic=True, backend=backend))
 
 
 # How training attends: "flex" (a BlockMask; CUDA), "split" (split_block_attention; anywhere), or

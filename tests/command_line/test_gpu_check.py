@@ -1,6 +1,7 @@
 """`python benchmarks/gpu/gpu_check.py --smoke`: the first-GPU-hour script's every section runs at toy
 sizes on the CPU and lands in one JSON summary; what a CPU cannot have (fla, causal-conv1d, the
-flagship-width target) is one line, never a crash."""
+flagship-width target) is one line, never a crash; the training part compares flex attention
+with split attention and counts flex attention's compiled graphs."""
 
 import json
 import subprocess
@@ -35,3 +36,15 @@ def test_smoke_runs_every_section_into_one_summary(tmp_path):
     assert all(r["fits"] and r["loss"] > 0 for r in summary["draft_vocab_steps"])
     assert summary["packages"]["flash-linear-attention"] == "not installed"   # a CPU machine has no GPU kernels
     assert "peak_rss_GiB_process" in summary["extract"]
+    # flex attention against split (issue 67): eager on the CPU, its backward through the test scaffold
+    equality = summary["equality"]
+    assert equality["flex"]["loss_rel_diff"] < 1e-6 and equality["flex"]["max_rel_grad_diff"] < 1e-4
+    compared = equality["flex_vs_split"]
+    assert [(r["sequences"], r["tokens"], r["anchors"]) for r in compared["shapes"]] == [
+        (2, 160, 8), (1, 128, 6), (3, 192, 10), (2, 144, 7)]
+    assert all(r["loss_rel_diff"] < 1e-6 and 0 < r["max_rel_grad_diff"] < 1e-4 for r in compared["shapes"])
+    # counted on the compiled path only: none on the CPU, where flex runs eager
+    assert compared["flex"] == "eager (CPU)"
+    assert compared["flex_graphs_compiled"] == {"create_block_mask": 0, "flex_attention": 0}
+    assert all(r["flex_graphs_compiled"] == {"create_block_mask": 0, "flex_attention": 0}
+               for r in summary["flagship_steps"])

@@ -7,8 +7,9 @@ an oracle written from the rule, one query at a time:
 
 Paths checked: `split_block_attention` (training on CPU; outputs and gradients, in pieces),
 the dense mask + `window_mask` (eval's single block, and the packed reference), flex attention
-(forward only: torch runs flex on the CPU without backward), and the whole drafter's dense vs
-split forward with mixed layer kinds."""
+(forward only: torch runs flex on the CPU without backward; its backward, in a whole training step
+against split, is tests/training/test_flex_step.py's), and the whole drafter's dense vs split
+forward with mixed layer kinds."""
 
 from __future__ import annotations
 
