@@ -16,3 +16,5 @@ class CacheInfoOptions(JsonOutput):
     # The two places besides the cache's preset that decide train's max_length (pipeline/training/train_config.py resolve_config)
     config: Path | None = option(None, help="With --draft-vocab: the TOML config train will read (\\[train] table); default ./train.toml if present, as train's.")
     max_length: int | None = option(None, help="With --draft-vocab: the --max-length train will be given (default: what train resolves from --config, the cache's preset, its own default).")
+    energy: list[int] | None = option(None, parse=int_list, help="Also read the taps of a pilot (--energy-tokens) and report the share of their energy the top R components keep, for each R, comma-separated (e.g. 2048,5120,10240): how much of the taps a projection to R values a token would keep.")
+    energy_tokens: int = option(65_536, help="With --energy: the pilot, the cache's first N tokens in shard order.")

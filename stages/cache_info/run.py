@@ -16,13 +16,34 @@ from pipeline.training.train_config import max_length_source, resolve_config
 
 
 def run_cache_info(cache: str, draft_vocab: list[int] | None = None, *, train_config: Path | None = None,
-                   max_length: int | None = None) -> dict:
+                   max_length: int | None = None, energy: list[int] | None = None,
+                   energy_tokens: int = 65_536) -> dict:
     location = open_location(cache)
     location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     info = cache_info(location)
     if draft_vocab:
         info["draft_vocab"] = draft_vocab_coverage(cache, draft_vocab, train_config=train_config, max_length=max_length)
+    if energy:
+        info["energy"] = tap_energy(cache, energy, energy_tokens)
     return info
+
+
+def tap_energy(cache: str, ranks: list[int], tokens: int) -> dict:
+    """{pilot_tokens, width, rows: [{rank, energy}]}: the share of the taps' energy (uncentred
+    second moment, pipeline/projection/basis.py) the top R components of a pilot keep, as
+    `pipeline extract --project-taps R` would fit them on the same first tokens."""
+    from pipeline.cache.reader import open_cache
+    from pipeline.projection.basis import check_rank
+    from pipeline.projection.pilot import pilot_moment
+
+    reader = open_cache(cache)
+    dims = reader.manifest.identity.capture.dims()
+    for r in ranks:  # before the pass over the cache
+        check_rank(r, dims["n_taps"] * dims["hidden_size"], "--energy")
+    moment = pilot_moment(reader, tokens)
+    kept = moment.energy_kept(ranks)
+    return {"pilot_tokens": moment.tokens, "width": moment.dim,
+            "rows": [{"rank": r, "energy": round(kept[r], 6)} for r in ranks]}
 
 
 def draft_vocab_coverage(cache: str, sizes: list[int], *, train_config: Path | None = None,

@@ -47,6 +47,10 @@ def show_cache_info(info: dict, json_out: bool) -> None:
                                                      f"max_length, from {dv['max_length_from']})"))
         rows += [(f"draft vocabulary {r['size']:,}: coverage", f"{r['coverage']:.2%} (reserved {r['reserved']}, byte "
                                                                f"fallbacks {r['byte_fallbacks']})") for r in dv["rows"]]
+    if info.get("energy"):
+        e = info["energy"]
+        rows += [(f"top {r['rank']:,} of {e['width']:,} components: energy kept",
+                  f"{r['energy']:.2%} (pilot: first {e['pilot_tokens']:,} tokens)") for r in e["rows"]]
     console.print(key_value_table("cache-info", [(k, escape(str(v))) for k, v in rows]))
     identity = info["identity"]
     console.print(key_value_table("identity", [(f"{section}.{k}", escape(str(v))) for section in ("target", "tokenizer", "capture", "data")

@@ -38,7 +38,7 @@ OTHER_FLAGS = {
     "verify-cache": ["cache", "--shards", "--target", "--recompute", "--tail-rate", "--device", "--dtype",
                      "--sample-rate", "--show", "--seed", "--json"],
     "demo": ["--out", "--quick", "--no-quick", "--report-to", "--block-size", "--json"],
-    "cache-info": ["cache", "--draft-vocab", "--config", "--max-length", "--json"],
+    "cache-info": ["cache", "--draft-vocab", "--config", "--max-length", "--energy", "--energy-tokens", "--json"],
     "target-info": ["path", "--data", "--json"],
 }
 

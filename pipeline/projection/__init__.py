@@ -1,0 +1,4 @@
+"""Projected taps (issue 68): the drafter reads the taps only through fc (Linear(n*H -> H), no
+bias), so a cache may store them projected onto a fixed basis fitted once on a pilot, the drafter
+train an fc' on the projection, and the export fold the basis back into an ordinary fc. The basis
+and its energy live in basis.py."""

@@ -1,0 +1,114 @@
+"""A basis for the concatenated taps (n*H values a token), fitted on a pilot, and the fold that
+turns an fc trained on the projection back into an fc on the full taps.
+
+Uncentred on purpose: fc has no bias (DESIGN 2), and a centred projection approximates a token's
+taps as mean + P^T z, whose mean term would need a bias in the exported fc that no engine's DFlash
+fc has. Uncentred, x ~ P^T P x and fc(x) ~ W P^T (P x): a linear map of the projection with no
+bias, which fc' learns and the export folds back (below). The components are the eigenvectors of the pilot's second
+moment sum(x x^T) (accumulated in float64: at n*H = 25,600 a float32 sum over 10^6 tokens loses
+the small eigenvalues to rounding), largest first; each is divided by its root mean square on the
+pilot, so every stored value has about unit second moment and one fp8 scale fits them all.
+
+    z = (P x) / s                 what the cache stores, R values a token
+    fc'(z) = W' z                 what the drafter trains
+    fc(x) = (W' diag(1/s) P) x    the export: the same numbers from the full taps
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.errors import PipelineError
+
+# An eigenvalue below this fraction of the largest is the pilot's rounding, not a direction it
+# spans: a component there would be divided by ~0 (its scale).
+_SPANNED = 1e-12
+
+
+class SecondMoment:
+    """sum(x x^T) over a pilot's tokens, in float64, and the token count."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.sum = torch.zeros(dim, dim, dtype=torch.float64)
+        self.tokens = 0
+
+    def add(self, x_ND: torch.Tensor) -> None:
+        if x_ND.ndim != 2 or x_ND.shape[1] != self.dim:
+            raise ValueError(f"expected tokens x {self.dim}, got {tuple(x_ND.shape)}")
+        x = x_ND.to(torch.float64)
+        self.sum += x.T @ x
+        self.tokens += x.shape[0]
+
+    def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(eigenvalues descending [D], eigenvectors as rows [D, D]), each row's sign fixed (its
+        largest entry positive) so a refit on the same pilot gives the same bytes."""
+        if self.tokens == 0:
+            raise PipelineError("the pilot holds no token: nothing to fit a basis on")
+        values, vectors = torch.linalg.eigh(self.sum)
+        values, rows = values.flip(0).clamp_min(0), vectors.T.flip(0)
+        signs = torch.sign(rows.gather(1, rows.abs().argmax(1, keepdim=True)))
+        return values, rows * signs
+
+    def energy_kept(self, ranks: list[int], flag: str = "--energy") -> dict[int, float]:
+        """The fraction of the pilot's energy (sum of squares) the top R components keep, per R."""
+        for r in ranks:
+            check_rank(r, self.dim, flag)
+        values, _ = self.spectrum()
+        cumulative = values.cumsum(0) / values.sum()
+        return {r: float(cumulative[r - 1]) for r in ranks}
+
+
+def check_rank(rank: int, dim: int, flag: str = "--project-taps") -> None:
+    if rank < 1:
+        raise PipelineError(f"{flag} {rank}: must be at least 1")
+    if rank >= dim:
+        raise PipelineError(f"{flag} {rank}: the taps are {dim} values a token (n_taps x hidden_size); "
+                            f"a projection to {rank} saves nothing: leave it out to store the full taps")
+
+
+@dataclass(frozen=True)
+class TapBasis:
+    components: torch.Tensor   # [R, D] float32, orthonormal rows, largest energy first
+    scales: torch.Tensor       # [R] float32: each component's root mean square on the pilot
+    energy: float              # fraction of the pilot's energy the R components keep
+    pilot_tokens: int
+
+    @property
+    def rank(self) -> int:
+        return self.components.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.components.shape[1]
+
+    def digest(self) -> str:
+        """sha256 of the components' and scales' bytes: the basis's identity in a cache and a run."""
+        h = hashlib.sha256()
+        for t in (self.components, self.scales):
+            h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def project(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """z [N, R] = (P x) / s, in float32."""
+        return (x_ND.to(torch.float32) @ self.components.T) / self.scales
+
+    def fold(self, fc_weight_HR: torch.Tensor) -> torch.Tensor:
+        """The fc on the full taps [H, D] that computes what fc' [H, R] computes on the projection."""
+        folded = (fc_weight_HR.to(torch.float64) / self.scales.to(torch.float64)) @ self.components.to(torch.float64)
+        return folded.to(fc_weight_HR.dtype)
+
+
+def fit_basis(moment: SecondMoment, rank: int) -> TapBasis:
+    check_rank(rank, moment.dim)
+    values, rows = moment.spectrum()
+    spanned = int((values > values[0] * _SPANNED).sum())
+    if rank > spanned:
+        raise PipelineError(f"--project-taps {rank}: the pilot ({moment.tokens} tokens) spans only {spanned} "
+                            f"directions; take a larger pilot or a smaller R")
+    return TapBasis(components=rows[:rank].to(torch.float32).contiguous(),
+                    scales=(values[:rank] / moment.tokens).sqrt().to(torch.float32),
+                    energy=float(values[:rank].sum() / values.sum()), pilot_tokens=moment.tokens)

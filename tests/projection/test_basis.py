@@ -1,0 +1,65 @@
+"""The tap basis (pipeline/projection/basis.py) against numpy's SVD of the pilot itself: the right
+singular vectors of X are the eigenvectors of X^T X, the squared singular values their energy; and
+the fold against fc' applied to the projection."""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.projection.basis import SecondMoment, fit_basis
+
+
+def pilot(tokens=400, dim=48, seed=0):
+    """Tokens with a decaying spectrum and a non-zero mean (as hidden states have), float32."""
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(dim, dim, generator=g) * torch.logspace(0, -3, dim)[:, None]
+    return (torch.randn(tokens, dim, generator=g) @ mixing + 0.5).float()
+
+
+def moment_of(x, batches=5):
+    m = SecondMoment(x.shape[1])
+    for part in torch.tensor_split(x, batches):
+        m.add(part)
+    return m
+
+
+@pytest.mark.parametrize("rank", [1, 8, 30])
+def test_the_basis_is_the_pilots_top_singular_subspace_with_its_energy(rank):
+    x = pilot()
+    basis = fit_basis(moment_of(x), rank)
+    _, s, vt = np.linalg.svd(x.double().numpy(), full_matrices=False)
+    top = vt[:rank]
+    # the same subspace: equal orthogonal projectors (individual vectors may differ in sign)
+    np.testing.assert_allclose(basis.components.double().numpy().T @ basis.components.double().numpy(), top.T @ top,
+                               atol=1e-5)
+    assert basis.energy == pytest.approx(float((s[:rank] ** 2).sum() / (s ** 2).sum()), rel=1e-9)
+    assert moment_of(x).energy_kept([rank])[rank] == pytest.approx(basis.energy, rel=1e-12)
+    np.testing.assert_allclose(basis.scales.double().numpy(), s[:rank] / np.sqrt(len(x)), rtol=1e-5)
+    z = basis.project(x)
+    np.testing.assert_allclose(z.double().pow(2).mean(0).numpy(), np.ones(rank), rtol=1e-4)   # one fp8 scale fits all
+
+
+def test_the_fold_on_the_full_taps_computes_fc_prime_on_the_projection():
+    x = pilot()
+    basis = fit_basis(moment_of(x), 12)
+    fc_prime = torch.randn(16, 12, generator=torch.Generator().manual_seed(1))
+    np.testing.assert_allclose((x @ basis.fold(fc_prime).T).numpy(), (basis.project(x) @ fc_prime.T).numpy(),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_refit_on_the_same_pilot_has_the_same_digest_and_batches_do_not_matter():
+    x = pilot()
+    one, other = fit_basis(moment_of(x, 1), 10), fit_basis(moment_of(x, 7), 10)
+    assert one.digest() == other.digest()
+    assert one.digest() != fit_basis(moment_of(pilot(seed=1)), 10).digest()
+
+
+def test_ranks_that_save_nothing_or_that_the_pilot_does_not_span_are_refused():
+    x = pilot(dim=48)
+    with pytest.raises(PipelineError, match="saves nothing"):
+        fit_basis(moment_of(x), 48)
+    with pytest.raises(PipelineError, match="spans only 5 directions"):
+        fit_basis(moment_of(x[:5]), 6)
+    with pytest.raises(PipelineError, match="no token"):
+        fit_basis(SecondMoment(48), 4)
