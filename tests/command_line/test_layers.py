@@ -98,6 +98,8 @@ FLOORS = [
     # evaluation: its teacher-forced walk takes training's batches and metrics
     ("independent", ["pipeline.eval"]),
     ("independent", ["pipeline.extract", "pipeline.verify", "pipeline.training", "pipeline.generate"]),
+    # projected taps: the basis fitted on a cache's pilot, which extract, train and verify take
+    ("independent", ["pipeline.projection"]),
     ("independent", ["pipeline.cache", "pipeline.data"]),
     ("independent", ["pipeline.target_model"]),
     ("independent", ["pipeline.config", "pipeline.provenance", "presets"]),
