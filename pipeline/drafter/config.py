@@ -34,6 +34,10 @@ class DrafterConfig:
     # serving engines that look the id up by it (SGLang). Not compared: the id is what the drafter
     # computes with, and a checkpoint exported before the text was recorded still resumes.
     mask_token: str | None = field(default=None, compare=False)
+    # R of a projected cache (pipeline/projection/basis.py): fc reads the taps' R projected values
+    # instead of n_taps * hidden_size. Training only: the export folds the basis into fc and
+    # writes a drafter on the full taps, without it. None: the full taps.
+    tap_projection: int | None = None
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -57,6 +61,9 @@ class DrafterConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (vocab_size), got {self.draft_vocab_size}")
+        taps = len(self.target_layer_ids) * self.hidden_size
+        if self.tap_projection is not None and not 1 <= self.tap_projection < taps:
+            raise ValueError(f"tap_projection must be in [1, {taps}) (n_taps x hidden_size), got {self.tap_projection}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
 

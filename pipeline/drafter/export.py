@@ -20,6 +20,7 @@ JSON only (nothing is unpickled) and checks every name and shape before use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -39,12 +40,20 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "head_dim", "rms_norm_eps", "vocab_size")
 
 
-def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None = None) -> None:
+def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None = None, *, basis=None) -> None:
     """Write config.json and model.safetensors into `out` (atomically, via a temporary folder),
     the weights in `dtype` (default: as they are; the final export of a bf16 run passes bf16,
-    DESIGN 8; checkpoints keep the fp32 master weights for an exact resume)."""
+    DESIGN 8; checkpoints keep the fp32 master weights for an exact resume). A drafter trained on
+    projected taps (`config.tap_projection`) needs its cache's `basis` (pipeline/projection/
+    basis.py): its fc is folded into an fc on the full taps, and the export is an ordinary
+    drafter that computes from them what was trained on the projection. Without the basis it is
+    written as trained, `tap_projection` in config.json: a checkpoint's form, which no engine
+    serves."""
     c = drafter.config
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
+    if c.tap_projection is not None and basis is not None:
+        state["fc.weight"] = _folded_fc(drafter, basis).to(dtype or drafter.fc.weight.dtype).contiguous()
+        c = dataclasses.replace(c, tap_projection=None)
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
     vocab = drafter.draft_vocab
     if vocab is not None:
@@ -74,6 +83,8 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     }
     if c.draft_vocab_size is not None:
         config["draft_vocab_size"] = c.draft_vocab_size
+    if c.tap_projection is not None:
+        config["tap_projection"] = c.tap_projection
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -83,6 +94,15 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
             p.unlink()
         out.rmdir()
     os.replace(tmp, out)
+
+
+def _folded_fc(drafter: DFlashDrafter, basis) -> torch.Tensor:
+    c = drafter.config
+    width = len(c.target_layer_ids) * c.hidden_size
+    if (basis.rank, basis.width) != (c.tap_projection, width):
+        raise PipelineError(f"the basis projects {basis.width} values to {basis.rank}, the drafter's fc reads "
+                            f"{c.tap_projection} projected from {width}")
+    return basis.fold(drafter.fc.weight.detach().to("cpu", torch.float32))
 
 
 def _dflash_config(c: DrafterConfig) -> dict:
@@ -108,7 +128,7 @@ def read_config(path: Path) -> DrafterConfig:
                              max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                              layer_types=raw.get("layer_types"),
                              sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
-                             draft_vocab_size=_draft_vocab_size(raw))
+                             draft_vocab_size=_draft_vocab_size(raw), tap_projection=raw.get("tap_projection"))
     except FileNotFoundError:
         raise PipelineError(f"{path}: no config.json") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:

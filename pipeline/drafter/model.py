@@ -335,7 +335,7 @@ class DFlashDrafter(nn.Module):
                              f"{'no draft vocabulary' if draft_vocab is None else f'{draft_vocab.size} draft ids'} given")
         self.config = c
         n = len(c.target_layer_ids)
-        self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(c.tap_projection or n * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
         self.attention = "auto"  # how anchors-based attention runs: ATTENTION_PATHS
@@ -358,7 +358,8 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
 
     def context_features(self, hidden_BTNH: torch.Tensor) -> torch.Tensor:
-        """fc + hidden_norm of the concatenated taps, [B, T, H]."""
+        """fc + hidden_norm of the concatenated taps, [B, T, H] (of the projected taps [B, T, 1, R]
+        where `config.tap_projection` is R)."""
         b, t = hidden_BTNH.shape[:2]
         return self.hidden_norm(self.fc(hidden_BTNH.reshape(b, t, -1)))
 
