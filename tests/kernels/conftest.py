@@ -17,7 +17,7 @@ import pytest
 IN_TIER = os.environ.get("TRITON_INTERPRET") == "1"
 HERE = Path(__file__).resolve().parent
 SKIP_REASON = ("kernel tier: runs in its own venv (pip install '.[kernels]') as "
-               "`TRITON_INTERPRET=1 pytest -q tests/kernels` (README: Run the tests)")
+               "`TRITON_INTERPRET=1 pytest -q -n 2 tests/kernels` (README: Run the tests)")
 
 if IN_TIER:
     from harness import triton_interpreter
