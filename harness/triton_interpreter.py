@@ -9,8 +9,9 @@ says nothing about speed, and its bf16 arithmetic is wrong (it multiplies the ra
 compares fp32 only.
 
 `install()` must run before fla is imported (transformers imports fla when its qwen3_5 modeling
-module is first imported): fla reads the Triton backend once at import, and the interpreter must
-be the one it finds.
+module is first imported): `triton.jit` makes a kernel an interpreted function only if
+TRITON_INTERPRET is set when the kernel is decorated, i.e. when fla's modules are imported, and
+fla reads the Triton backend once at import too.
 """
 
 from __future__ import annotations
