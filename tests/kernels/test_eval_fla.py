@@ -85,9 +85,12 @@ def test_plain_greedy_with_fla_is_the_torch_paths(live, ids, reference):
 
 def test_block_verification_with_fla_decodes_the_torch_paths_tokens(live, ids, reference):
     draft = _noisy_oracle(reference, len(ids), live.model.config.vocab_size, logits=False)
-    run = block_decode(live, None, ids, max_new=NEW, eos=EOS, draft=draft)
+    with KernelCallCounter(live.model) as counter:
+        run = block_decode(live, None, ids, max_new=NEW, eos=EOS, draft=draft)
     assert run.tokens == reference
     assert max(run.accepted) == BLOCK - 1 and min(run.accepted) < BLOCK - 1, run.accepted   # whole and cut blocks
+    # every position of every verify pass stepped by the bound (fla) recurrent kernel, per layer
+    assert counter.counts["fused_recurrent_gated_delta_rule"] == _linear_layers(live) * BLOCK * run.verify_passes
 
 
 @pytest.mark.parametrize("budget", [8])
@@ -97,6 +100,11 @@ def test_tree_verification_with_fla_decodes_the_torch_paths_tokens(live, ids, re
         run = tree_decode(live, None, ids, max_new=NEW, eos=EOS, budget=budget, draft=draft)
     assert run.tokens == reference
     assert max(run.accepted) == BLOCK - 1 and min(run.accepted) < BLOCK - 1, run.accepted
-    # The tree rule steps the bound fused recurrent kernel; keep_path re-derives the path's state
-    # with the bound chunked one: both were fla's, counted where the modeling module calls them.
-    assert counter.counts["chunk_gated_delta_rule"] > 0
+    # The tree rule steps the bound fused recurrent kernel depth by depth; keep_path re-derives the
+    # kept path's state with the bound chunked one, once a layer a pass (after the prefill's).
+    assert counter.counts["fused_recurrent_gated_delta_rule"] >= _linear_layers(live) * run.verify_passes
+    assert counter.counts["chunk_gated_delta_rule"] == _linear_layers(live) * (1 + run.verify_passes)
+
+
+def _linear_layers(live):
+    return sum(kind == "linear_attention" for kind in live.model.config.layer_types)
