@@ -91,7 +91,8 @@ def test_taps_and_labels_equal_the_torch_path(fla_cache, torch_cache):
         worst = max(worst, float((ha - hb).abs().max()))
         differing += int((ha != hb).sum())
         values += ha.numel()
-    assert differing <= 0.05 * values, f"{differing} of {values} bf16 tap values differ (worst {worst:.3g})"
+    # measured: 9 of 51,456 (0.02%); a kernel that were wrong would move nearly all of them
+    assert differing <= 0.01 * values, f"{differing} of {values} bf16 tap values differ (worst {worst:.3g})"
 
 
 def test_verify_cache_passes_the_fla_cache(fla_cache):
