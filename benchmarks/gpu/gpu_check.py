@@ -10,7 +10,9 @@ Pipeline sections (benchmarks/gpu/gpu_paths.py), in order, each with its peak me
 a. extract: `pipeline extract` of the embedded target (tokens/s, bytes/token, the kernel path each
    shard recorded: "fla" where fla and causal-conv1d are installed); the bound linear-attention
    kernels against transformers' torch reference on one forward (taps, logits, argmax) of the
-   embedded target and of a random target at Qwen3.6-27B's widths (4 layers, bf16).
+   embedded target and of a random target at Qwen3.6-27B's widths (4 layers, bf16); and fla's
+   kernels op by op against the torch functions, fp32 and bf16 (harness/kernel_ops.py: the pairs
+   the CPU kernel tier asserts on under Triton's interpreter).
 b. train: the checks below (flex attention vs the split and dense paths; the flagship-shape step
    under bf16 autocast for micro-batches 1..8; the chunked loss against fused kernels), then the
    tiny preset's drafter trained on (a)'s cache.

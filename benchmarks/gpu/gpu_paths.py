@@ -3,8 +3,8 @@ against transformers' torch reference, eval greedy and sampled, generate. Each s
 dict; gpu_check.py runs them in order, one process, and turns a failure into one line.
 
 On a GPU node they run on the GPU (bf16 where the pipeline chooses it); `--smoke` runs the same
-code at toy sizes on the CPU, where the kernels section compares the torch path with itself and
-says that fla is not there.
+code at toy sizes on the CPU, where the kernels section compares the torch path with itself, says
+that fla is not there and skips the per-op comparison.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def kernels(device: torch.device, size: str) -> dict:
     generator = torch.Generator().manual_seed(0)
     tiny = load_target(embedded.TARGET_DIR, dtype=dtype).to(device)
     ids = torch.randint(0, tiny.config.vocab_size - 8, (1, n), generator=generator).to(device)
-    out = {"embedded": _agreement(tiny, ids, default_taps(tiny.config.num_hidden_layers, 3))}
+    out = {"ops": ops(device), "embedded": _agreement(tiny, ids, default_taps(tiny.config.num_hidden_layers, 3))}
     del tiny
     if size == "smoke":
         return {**out, "flagship_width": "skipped under --smoke (11 GB of weights at 4 layers)"}
@@ -112,6 +112,25 @@ def kernels(device: torch.device, size: str) -> dict:
             torch.set_default_dtype(previous)
     ids = torch.randint(0, config.vocab_size - 8, (1, n), generator=generator).to(device)
     out["flagship_width"] = {"layers": FLAGSHIP_LAYERS, "tokens": n, **_agreement(wide, ids, [0, 1, 2])}
+    return out
+
+
+def ops(device: torch.device) -> dict | str:
+    """fla's kernels op by op against transformers' torch functions on the same inputs (the pairs
+    the CPU kernel tier asserts on under Triton's interpreter, harness/kernel_ops.py): the chunked
+    and fused recurrent gated delta rule with initial and final states, fla's causal conv and its
+    one-token update; max abs difference per output, fp32 inputs (the kernels' exactness: the tier
+    measured 1e-7..1e-6) and bf16 (what extract runs on a GPU)."""
+    if device.type != "cuda":
+        return "skipped: needs fla on a GPU (on a CPU: TRITON_INTERPRET=1 pytest tests/kernels, README)"
+    try:
+        from harness.kernel_ops import all_pairs
+        import fla  # noqa: F401
+    except ImportError as e:
+        return f"fla not installed ({e})"
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        out[str(dtype).removeprefix("torch.")] = {pair.op: pair.max_abs_diff() for pair in all_pairs(device, dtype)}
     return out
 
 
