@@ -153,23 +153,20 @@ def _run(func, args, kwargs):
         return x
 
     _refuse_host_generator(func, args, kwargs)
+    wrapped = args                                        # the checks below ask which side each is on
+    args, kwargs = _map(unwrap, args), _map(unwrap, kwargs)
     to_host = False
     if func is aten._to_copy.default and "device" in kwargs:
-        to_host = not _on_device(kwargs["device"])
+        to_host = not _on_device(kwargs["device"])        # a transfer, either way
         if to_host and isinstance(destination, SimTensor):
             _count("cpu")
-        args, kwargs = _map(unwrap, args), _map(unwrap, kwargs)   # a transfer, either way
     elif func is aten.copy_.default:
-        if isinstance(args[1], SimTensor) and not isinstance(destination, SimTensor):
+        if isinstance(wrapped[1], SimTensor) and not isinstance(destination, SimTensor):
             _count("cpu")                                 # host.copy_(device)
-        args, kwargs = _map(unwrap, args), _map(unwrap, kwargs)
     elif func in _INDEXING:
-        _refuse_indexing(func, args)
-        args, kwargs = _map(unwrap, args), _map(unwrap, kwargs)
-    else:
-        args, kwargs = _map(unwrap, args), _map(unwrap, kwargs)
-        if simulated or _on_device(kwargs.get("device")):
-            _refuse_host_operands(func, host, destination)
+        _refuse_indexing(func, wrapped)
+    elif simulated or _on_device(kwargs.get("device")):
+        _refuse_host_operands(func, host, destination)
     if _on_device(kwargs.get("device")):
         kwargs = {**kwargs, "device": torch.device("cpu")}
     if func in _SCALAR_READS:

@@ -107,8 +107,8 @@ def broadcast_from_rank0(value, world: int):
     when world is 1."""
     if world == 1:
         return value
-    # NCCL carries the object through a GPU: this rank's own, named here (as run_claim's claim
-    # does) so that no rank falls back to GPU 0 whatever device the caller has set
+    # NCCL carries the object through a GPU: this rank's own, named here so that no rank falls
+    # back to GPU 0 whatever device the caller has set (the run's claim comes before any is set)
     device = torch.device("cuda", local_rank()) if dist.get_backend() == "nccl" else None
     box = [value]
     dist.broadcast_object_list(box, src=0, device=device)

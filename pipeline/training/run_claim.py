@@ -64,7 +64,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pipeline.distributed import local_rank
+from pipeline.distributed import broadcast_from_rank0
 from pipeline.errors import PipelineError
 from pipeline.files import FileLock, describe_os_error, write_json_atomic
 from pipeline.records.run_dir import RunDir
@@ -308,15 +308,8 @@ def claim_for_job(out: Path, *, rank: int, world: int, warn) -> RunClaim | None:
             refusal = str(e)
         except OSError as e:
             refusal = f"{out}: cannot claim the run directory ({describe_os_error(e)})"
-    if world > 1:
-        import torch
-        import torch.distributed as dist
-        # NCCL carries the object through a GPU: this rank's own, named here because the claim comes
-        # before the run sets a device (without it every rank would use GPU 0)
-        device = torch.device("cuda", local_rank()) if dist.get_backend() == "nccl" else None
-        box = [refusal]
-        dist.broadcast_object_list(box, src=0, device=device)
-        refusal = box[0]
+    # the refusal only: the claim (its lock and heartbeat) stays with rank 0
+    refusal = broadcast_from_rank0(refusal, world)
     if refusal is not None:
         raise PipelineError(refusal)
     return claim

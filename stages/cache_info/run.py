@@ -21,22 +21,24 @@ def run_cache_info(cache: str, draft_vocab: list[int] | None = None, *, train_co
     location = open_location(cache)
     location.check_reachable()  # no such directory, a missing bucket, refused credentials: one line
     info = cache_info(location)
+    if draft_vocab or energy:
+        from pipeline.cache.reader import open_cache
+        reader = open_cache(cache)  # one listing of the store for both passes
     if draft_vocab:
-        info["draft_vocab"] = draft_vocab_coverage(cache, draft_vocab, train_config=train_config, max_length=max_length)
+        info["draft_vocab"] = draft_vocab_coverage(cache, reader, draft_vocab, train_config=train_config,
+                                                   max_length=max_length)
     if energy:
-        info["energy"] = tap_energy(cache, energy, energy_tokens)
+        info["energy"] = tap_energy(reader, energy, energy_tokens)
     return info
 
 
-def tap_energy(cache: str, ranks: list[int], tokens: int) -> dict:
+def tap_energy(reader, ranks: list[int], tokens: int) -> dict:
     """{pilot_tokens, width, rows: [{rank, energy}]}: the share of the taps' energy (uncentred
     second moment, pipeline/projection/basis.py) the top R components of a pilot keep, as
     `pipeline extract --project-taps R` would fit them on the same first tokens."""
-    from pipeline.cache.reader import open_cache
     from pipeline.projection.basis import check_rank
     from pipeline.projection.pilot import pilot_moment
 
-    reader = open_cache(cache)
     dims = reader.manifest.identity.capture.dims()
     for r in ranks:  # before the pass over the cache
         check_rank(r, dims["n_taps"] * dims["hidden_size"], "--energy")
@@ -46,17 +48,15 @@ def tap_energy(cache: str, ranks: list[int], tokens: int) -> dict:
             "rows": [{"rank": r, "energy": round(kept[r], 6)} for r in ranks]}
 
 
-def draft_vocab_coverage(cache: str, sizes: list[int], *, train_config: Path | None = None,
+def draft_vocab_coverage(cache: str, reader, sizes: list[int], *, train_config: Path | None = None,
                          max_length: int | None = None) -> dict:
     """{max_length, max_length_from, labels, distinct, rows: [{size, coverage, reserved,
     byte_fallbacks}]} for each K, chosen and counted as `pipeline train --cache CACHE [--config
     FILE] [--max-length N] --draft-vocab K` would."""
-    from pipeline.cache.reader import open_cache
     from pipeline.target_model import load_tokenizer, read_target_facts, recorded_in_cache, resolve_target
     from pipeline.training.draft_vocab import check_size, count_labels, coverage, vocab_from_counts
 
     cfg, max_length_from = train_settings(cache, train_config, max_length)
-    reader = open_cache(cache)
     target = resolve_target(cfg.target, recorded_in_cache(reader.manifest))
     vocab_size = read_target_facts(target).vocab_size
     tokenizer = load_tokenizer(target)
