@@ -89,6 +89,11 @@ class ExtractConfig:
     # In a cache directory, a second process skips a shard another one is writing (flock on
     # .shard-NNNNN.lock). Correctness never depends on it (DESIGN 11: commit records); turn it
     # off where flock hangs or is not supported. An object store has no locks.
+    # Store the taps projected onto a basis fitted on a pilot (pipeline/projection): R values a
+    # token instead of n_taps x hidden_size; the drafter trains fc on them and the export folds the
+    # basis back into an ordinary fc. None: the taps whole.
+    project_taps: int | None = option(None, help="Store the taps projected to R values a token (a basis fitted on a pilot of the first shards; the export folds it into fc). Pick R with `pipeline cache-info --energy` on a first shard (default: the taps whole).")
+    pilot_tokens: int = option(131_072, help="With --project-taps: tokens of the first shards the basis is fitted on, run through the target once more (default 131,072).")
     shard_locks: bool = option(True, help="In a cache directory, skip shards another process is writing (flock; default on). Off where flock does not work: commits stay safe without it.")
 
     def __post_init__(self):
@@ -108,6 +113,8 @@ class ExtractConfig:
             (isinstance(self.chunking, dict), "chunking must be a table"),
             (self.writer_queue is None or self.writer_queue >= 0, f"writer_queue must be >= 0, got {self.writer_queue}"),
             (isinstance(self.data, list) and self.data, "data must be a non-empty list of files"),
+            (self.project_taps is None or self.project_taps >= 1, f"project_taps must be >= 1, got {self.project_taps}"),
+            (self.pilot_tokens >= 1, f"pilot_tokens must be >= 1, got {self.pilot_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -43,6 +43,17 @@ class DataRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProjectionRecord:
+    """The basis a projected cache's taps are stored in (pipeline/projection/basis.py), kept in
+    the cache as basis.safetensors, whose content's sha256 is `digest`."""
+    rank: int = label("projected width R")
+    digest: str = label("tap basis digest")
+    energy: float = label("pilot energy kept")
+    pilot_tokens: int
+    pilot: str          # which tokens the basis was fitted on
+
+
+@dataclass(frozen=True, kw_only=True)
 class CaptureRecord:
     target_layer_ids: list[int]
     tap_convention: str
@@ -59,10 +70,20 @@ class CaptureRecord:
     zstd_level: int
     checksum: str
     storage: dict
+    # A projected cache: its basis (pipeline/projection); None: the taps are stored whole (and in
+    # every cache written before projections existed).
+    projection: ProjectionRecord | None = None
+
+    @property
+    def projected_rank(self) -> int | None:
+        return None if self.projection is None else self.projection.rank
 
     def dims(self) -> dict[str, int]:
         """The array dimensions the schema derives shapes from."""
-        return {"n_taps": len(self.target_layer_ids), "hidden_size": self.hidden_size, "top_k": self.top_k}
+        dims = {"n_taps": len(self.target_layer_ids), "hidden_size": self.hidden_size, "top_k": self.top_k}
+        if self.projection is not None:
+            dims["projected_rank"] = self.projected_rank
+        return dims
 
     def chunking(self) -> Chunking:
         return Chunking.from_options(self.storage["options"])
@@ -84,6 +105,7 @@ SHARD_IDENTITY_FIELDS = {
     "vocab_size": "capture.vocab_size",
     "top_k": "capture.top_k",
     "hidden_format": "capture.hidden_format",
+    "projection_digest": "capture.projection.digest",
 }
 
 

@@ -3,6 +3,8 @@
 Layout of a cache (a directory, or a prefix of an object store: the same keys and bytes):
 
     manifest.json            what the cache is (identity, provenance, plan); written once, if absent
+    basis.safetensors        a projected cache only: the tap basis (pipeline/projection), written
+                             once, if absent, before the manifest; the manifest names its digest
     shard-00000/             one Zarr v3 group per shard
       hidden/zarr.json       array metadata
       hidden/c.0.0.0         one file per FILE of tokens (Zarr v3 sharding; flat '.' chunk keys)
@@ -34,6 +36,7 @@ SCHEMA_VERSION = 2
 FORMAT_NAME = "dflash-hidden-state-cache"
 
 MANIFEST = "manifest.json"
+BASIS = "basis.safetensors"
 _SHARD_RE = re.compile(r"^shard-(\d{5})$")
 
 # Hard bounds checked before anything is allocated from what a manifest or shard declares.
@@ -101,9 +104,9 @@ class ArraySpec:
 
     @property
     def full_width(self) -> bool:
-        """As wide as the target (hidden_size values a tap): the array whose chunks are sized in
-        bytes, the bulk of the cache."""
-        return "hidden_size" in self.inner
+        """The tap outputs (hidden_size values a tap, or the R of a projected cache): the array
+        whose chunks are sized in bytes, the bulk of the cache."""
+        return "tap_width" in self.inner
 
     def length(self, *, samples: int, tokens: int) -> int:
         """Entries along the leading dimension in a shard of this many samples and tokens."""
@@ -134,18 +137,29 @@ _SHARED_SPECS = (
 )
 
 # The arrays that hold the tap outputs, by hidden format (pipeline/cache/encoding.py writes them).
+# Their rows: the n_taps taps of hidden_size values each, or, in a projected cache, one row of
+# the R projected values (`tap_rows`, below). A row is what one fp8 scale covers.
 _HIDDEN_SPECS = {
     "bf16": (
-        ArraySpec(name=HIDDEN, dtype="uint16", inner=("n_taps", "hidden_size"), per="token",
-                  logical="bfloat16 bit pattern of tap outputs", role=HIDDEN_STATE),
+        ArraySpec(name=HIDDEN, dtype="uint16", inner=("tap_rows", "tap_width"), per="token",
+                  logical="bfloat16 bit pattern of tap outputs (of their projection in a projected cache)",
+                  role=HIDDEN_STATE),
     ),
     "fp8": (
-        ArraySpec(name=HIDDEN, dtype="uint8", inner=("n_taps", "hidden_size"), per="token",
+        ArraySpec(name=HIDDEN, dtype="uint8", inner=("tap_rows", "tap_width"), per="token",
                   logical="float8_e4m3fn bit pattern; value = fp8 * hidden_scale", role=HIDDEN_STATE),
-        ArraySpec(name=HIDDEN_SCALE, dtype="float32", inner=("n_taps",), per="token",
-                  logical="per-token, per-tap scale of the fp8 hidden states", role=HIDDEN_STATE),
+        ArraySpec(name=HIDDEN_SCALE, dtype="float32", inner=("tap_rows",), per="token",
+                  logical="per-token, per-tap (per-token, projected) scale of the fp8 hidden states",
+                  role=HIDDEN_STATE),
     ),
 }
+
+
+def tap_rows(dims: dict[str, int]) -> tuple[int, int]:
+    """(rows, values a row) of the stored tap outputs of one token: (n_taps, hidden_size), or
+    (1, R) in a cache projected to R values a token (dims["projected_rank"])."""
+    rank = dims.get("projected_rank")
+    return (1, rank) if rank else (dims["n_taps"], dims["hidden_size"])
 HIDDEN_FORMATS = tuple(_HIDDEN_SPECS)
 
 
@@ -170,7 +184,8 @@ def role_names(*roles: str) -> tuple[str, ...]:
 
 
 def inner_shape(spec: ArraySpec, dims: dict[str, int]) -> tuple[int, ...]:
-    return tuple(dims[d] for d in spec.inner)
+    rows, width = tap_rows(dims)
+    return tuple({"tap_rows": rows, "tap_width": width}.get(d) or dims[d] for d in spec.inner)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,3 +275,6 @@ def check_dims(dims: dict[str, int]) -> None:
         value = dims.get(key)
         if not isinstance(value, int) or not 0 < value <= limit:
             raise ValueError(f"{key}={value!r} is outside 1..{limit}")
+    rank = dims.get("projected_rank")
+    if rank is not None and (not isinstance(rank, int) or not 0 < rank < dims["n_taps"] * dims["hidden_size"]):
+        raise ValueError(f"projected_rank={rank!r} is outside 1..n_taps x hidden_size - 1")

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import INPUT_IDS, SAMPLE_ID
+from pipeline.cache.schema import HIDDEN, INPUT_IDS, SAMPLE_ID
+from pipeline.projection.basis_file import cache_basis
 from pipeline.training.batch import anchor_generator, forward_logits, pack, prepare
 from pipeline.errors import PipelineError
 from pipeline.training.metrics import add_sums, finish_metrics, metric_sums
@@ -20,10 +21,12 @@ def teacher_forced(drafter, reader: CacheReader, *, im_start: int, last_turn_onl
     cannot use is refused before any decoding), every valid anchor (no sampling), optionally only
     anchors in each sample's last assistant turn (the turn `run_eval` generates)."""
     c, sums, walk_tokens, walk_steps = drafter.config, None, 0, 0
+    context = context_of(drafter, reader)
     for name in reader.shards:
         shard = reader.shard(name, chunk_cache_bytes=64 * 2**20)
         for sid in map(int, shard.sample_ids):
             sample = {**shard.sample(sid), SAMPLE_ID: sid}
+            sample[HIDDEN] = context(sample[HIDDEN])
             seq = prepare(sample, block_size=c.block_size, num_anchors=2**31, max_length=2**31,
                           mask_token_id=c.mask_token_id, gamma=4.0, generator=anchor_generator(0, 0, sid))
             if seq is None:
@@ -43,6 +46,26 @@ def teacher_forced(drafter, reader: CacheReader, *, im_start: int, last_turn_onl
     metrics = finish_metrics(sums)
     return {**metrics, "tau_estimate": metrics["avg_streak"] + 1, "tau_walk": walk_tokens / max(walk_steps, 1),
             "anchors": int(sums["blocks"]), "last_turn_only": last_turn_only}
+
+
+def context_of(drafter, reader: CacheReader):
+    """What the drafter's fc takes, from what the cache stores: the taps as stored; on a projected
+    cache, the taps the projection stands for (an exported drafter's fc is folded: it reads full
+    taps), or the projection itself for a drafter not folded yet (a checkpoint's, of that basis)."""
+    basis, c = cache_basis(reader), drafter.config
+    if basis is None:
+        if c.tap_projection is not None:
+            raise PipelineError(f"{reader.dir}: stores the taps whole, and this drafter was written before its "
+                                f"fc was folded (it reads {c.tap_projection} projected values a token): use its run's "
+                                "final export (RUN/drafter)")
+        return lambda hidden: hidden
+    if c.tap_projection is None:
+        n_taps = len(reader.manifest.identity.capture.target_layer_ids)
+        return lambda hidden: basis.reconstruct(hidden, n_taps)
+    if c.tap_projection != basis.rank:
+        raise PipelineError(f"{reader.dir}: stores {basis.rank} projected values a token, this drafter's fc reads "
+                            f"{c.tap_projection}")
+    return lambda hidden: hidden
 
 
 def _walk(anchors: list[int], logits, labels, weights) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from pipeline.data.loss_mask import ConversationMasker
 from pipeline.data.samples import prepare_samples, scan_dataset
 from pipeline.cache.shard_plan import parse_shards, shard_rows
 from pipeline.errors import PipelineError
+from pipeline.projection.basis import check_rank
 from pipeline.target_model import load_tokenizer, read_target_facts, resolve_target
 from pipeline.target_model.taps import taps_for, validate_taps
 
@@ -55,6 +56,8 @@ def read_inputs(cfg: ExtractConfig, shards_spec: str | None) -> ExtractionInputs
     validate_taps(taps, facts.num_hidden_layers)
     if cfg.top_k > facts.vocab_size:
         raise PipelineError(f"top_k {cfg.top_k} exceeds the target's vocab_size {facts.vocab_size}")
+    if cfg.project_taps is not None:
+        check_rank(cfg.project_taps, len(taps) * facts.hidden_size)
     selected = parse_shards(shards_spec, cfg.num_shards)
     paths = resolve_data(cfg.data)
     tokenizer = load_tokenizer(target_dir)
@@ -105,6 +108,10 @@ def estimate_extraction(inputs: ExtractionInputs, *, assume_tokens_per_s: float 
             progress(len(rows))
     tokens = totals["tokens"]
     raw_per_token = sum(per_token.values())
+    # A projected cache first runs its pilot through the target (taps only) unless the cache has
+    # its basis already; the forward tokens below count it.
+    pilot = None if cfg.project_taps is None else \
+        min(cfg.pilot_tokens, tokens) if len(inputs.selected) == cfg.num_shards else cfg.pilot_tokens
     samples_per_shard = [s["samples"] for s in shards]
     return {
         "dry_run": True,
@@ -127,7 +134,11 @@ def estimate_extraction(inputs: ExtractionInputs, *, assume_tokens_per_s: float 
         "files_per_shard": {"min": min((s["files"] for s in shards), default=0),
                             "max": max((s["files"] for s in shards), default=0)},
         "assume_tokens_per_s": assume_tokens_per_s,
-        "extract_seconds": tokens / assume_tokens_per_s if assume_tokens_per_s else None,
+        "projected_rank": cfg.project_taps,
+        "full_taps_raw_bytes_per_token": len(taps) * facts.hidden_size * 2,
+        "pilot_tokens": pilot,
+        "forward_tokens": tokens + (pilot or 0),
+        "extract_seconds": (tokens + (pilot or 0)) / assume_tokens_per_s if assume_tokens_per_s else None,
         "dry_run_seconds": time.perf_counter() - start,
         "shards": shards,
     }

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.cache.identity import Identity, parse_identity
+from pipeline.cache.identity import Identity, ProjectionRecord, parse_identity
 from pipeline.cache.schema import Chunking
 from pipeline.config import ExtractConfig
 from pipeline.data.loss_mask import GenerationPrompt
 from pipeline.errors import PipelineError
+from pipeline.records.typed import dump_record
 from pipeline.provenance import tokenizer_digest, weight_digests
 from pipeline.target_model import chat_template_sha256
 from pipeline.target_model.taps import TAP_CONVENTION
 
 
 def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationPrompt, target_dir: Path, taps: list[int], dataset: dict,
-                    compute_dtype: str) -> Identity:
-    """Everything that decides the cache's content; a later invocation must match it exactly."""
+                    compute_dtype: str, projection: ProjectionRecord | None = None) -> Identity:
+    """Everything that decides the cache's content; a later invocation must match it exactly.
+    `projection`: the basis of a projected cache (pipeline/extract/pilot_run.py)."""
     return parse_identity({
         "num_shards": cfg.num_shards,
         "target": {"model_type": facts.model_type, "config_sha256": facts.config_sha256,
@@ -35,11 +37,19 @@ def identity_record(cfg: ExtractConfig, *, facts, tokenizer, prompt: GenerationP
         "capture": {"target_layer_ids": taps, "tap_convention": TAP_CONVENTION,
                     "num_hidden_layers": facts.num_hidden_layers, "hidden_size": facts.hidden_size,
                     "vocab_size": facts.vocab_size, "top_k": cfg.top_k, "hidden_format": cfg.hidden_format,
-                    "stored_dtype": {"bf16": "bfloat16 bit pattern (uint16)", "fp8": "float8_e4m3fn (uint8) x float32 scale per token and tap"}[cfg.hidden_format],
+                    "stored_dtype": stored_dtype(cfg.hidden_format, projected=projection is not None),
                     "compute_dtype": compute_dtype, "max_length": cfg.max_length, "overlong": cfg.overlong,
                     "on_error": cfg.on_error, "zstd_level": cfg.zstd_level, "checksum": "crc32c per inner chunk",
-                    "storage": chunking(cfg).record()},
+                    "storage": chunking(cfg).record(),
+                    "projection": None if projection is None else dump_record(projection)},
     })
+
+
+def stored_dtype(hidden_format: str, *, projected: bool) -> str:
+    if hidden_format == "bf16":
+        return "bfloat16 bit pattern (uint16)" + (" of the projected taps" if projected else "")
+    return ("float8_e4m3fn (uint8) x float32 scale per token" + ("" if projected else " and tap")
+            + (", of the projected taps" if projected else ""))
 
 
 def chunking(cfg: ExtractConfig) -> Chunking:
@@ -50,4 +60,7 @@ def chunking(cfg: ExtractConfig) -> Chunking:
 
 
 def cache_dims(cfg: ExtractConfig, facts, taps: list[int]) -> dict[str, int]:
-    return {"n_taps": len(taps), "hidden_size": facts.hidden_size, "top_k": cfg.top_k}
+    dims = {"n_taps": len(taps), "hidden_size": facts.hidden_size, "top_k": cfg.top_k}
+    if cfg.project_taps is not None:
+        dims["projected_rank"] = cfg.project_taps
+    return dims

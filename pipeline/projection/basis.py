@@ -29,29 +29,52 @@ _SPANNED = 1e-12
 
 
 class SecondMoment:
-    """sum(x x^T) over a pilot's tokens, in float64, and the token count."""
+    """sum(x x^T) over a pilot's tokens, in float64, and the token count.
 
-    def __init__(self, dim: int):
-        self.dim = dim
-        self.sum = torch.zeros(dim, dim, dtype=torch.float64)
+    While the pilot has fewer tokens than dimensions, its rows are kept instead (float32) and the
+    spectrum comes from their Gram matrix X X^T (tokens x tokens): the same nonzero eigenvalues,
+    the eigenvectors X^T u / sqrt(lambda), at a fraction of the cost. At the flagship width
+    (25,600 values a token) a 6,000-token pilot is then one 6,000 x 6,000 eigendecomposition
+    instead of a 25,600 x 25,600 one (a 64x smaller cube)."""
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu"):
+        self.dim, self.device = dim, torch.device(device)
+        self.rows: list[torch.Tensor] | None = []
+        self.sum: torch.Tensor | None = None
         self.tokens = 0
 
     def add(self, x_ND: torch.Tensor) -> None:
         if x_ND.ndim != 2 or x_ND.shape[1] != self.dim:
             raise ValueError(f"expected tokens x {self.dim}, got {tuple(x_ND.shape)}")
-        x = x_ND.to(torch.float64)
+        self.tokens += x_ND.shape[0]
+        if self.rows is not None:
+            self.rows.append(x_ND.detach().to(torch.float32).cpu())
+            if self.tokens <= self.dim:
+                return
+            x_ND, self.rows = torch.cat(self.rows), None  # past the width: the moment is smaller now
+            self.sum = torch.zeros(self.dim, self.dim, dtype=torch.float64, device=self.device)
+        x = x_ND.to(self.device, torch.float64)
         self.sum += x.T @ x
-        self.tokens += x.shape[0]
 
     def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(eigenvalues descending [D], eigenvectors as rows [D, D]), each row's sign fixed (its
-        largest entry positive) so a refit on the same pilot gives the same bytes."""
+        """(eigenvalues descending [K], eigenvectors as rows [K, D]) with K = min(tokens, D), each
+        row's sign fixed (its largest entry positive) so a refit on the same pilot gives the same
+        bytes. Rows of zero eigenvalues (directions the pilot does not span) are zero."""
         if self.tokens == 0:
             raise PipelineError("the pilot holds no token: nothing to fit a basis on")
-        values, vectors = torch.linalg.eigh(self.sum)
-        values, rows = values.flip(0).clamp_min(0), vectors.T.flip(0)
+        if self.rows is not None:
+            x = torch.cat(self.rows).to(self.device, torch.float64)
+            values, u = torch.linalg.eigh(x @ x.T)
+            values, u = values.flip(0).clamp_min(0), u.flip(1)
+            spanned = values > values[0] * _SPANNED
+            rows = (u.T @ x) / torch.where(spanned, values, torch.ones_like(values)).sqrt()[:, None]
+            rows = rows * spanned[:, None]
+        else:
+            values, vectors = torch.linalg.eigh(self.sum)
+            values, rows = values.flip(0).clamp_min(0), vectors.T.flip(0)
         signs = torch.sign(rows.gather(1, rows.abs().argmax(1, keepdim=True)))
-        return values, rows * signs
+        signs[signs == 0] = 1
+        return values.cpu(), (rows * signs).cpu()
 
     def energy_kept(self, ranks: list[int], flag: str = "--energy") -> dict[int, float]:
         """The fraction of the pilot's energy (sum of squares) the top R components keep, per R."""
@@ -59,7 +82,7 @@ class SecondMoment:
             check_rank(r, self.dim, flag)
         values, _ = self.spectrum()
         cumulative = values.cumsum(0) / values.sum()
-        return {r: float(cumulative[r - 1]) for r in ranks}
+        return {r: float(cumulative[min(r, len(values)) - 1]) for r in ranks}
 
 
 def check_rank(rank: int, dim: int, flag: str = "--project-taps") -> None:
@@ -95,6 +118,22 @@ class TapBasis:
     def project(self, x_ND: torch.Tensor) -> torch.Tensor:
         """z [N, R] = (P x) / s, in float32."""
         return (x_ND.to(torch.float32) @ self.components.T) / self.scales
+
+    def project_taps(self, x_TNH: torch.Tensor) -> torch.Tensor:
+        """A sample's taps [T, n_taps, H] as a projected cache stores them: [T, 1, R] float32, on
+        the taps' device (the basis is moved there once: `to`)."""
+        return self.project(x_TNH.reshape(x_TNH.shape[0], -1))[:, None]
+
+    def reconstruct(self, z_T1R: torch.Tensor, n_taps: int) -> torch.Tensor:
+        """The taps [T, n_taps, H] a projected cache's row [T, 1, R] stands for: P^T (s z), the
+        full taps' component in the basis. A drafter trained on the projection computes the same
+        from it through its folded fc as from the row through fc' (fc P^T s = fc' P P^T = fc')."""
+        x = (z_T1R[:, 0].to(torch.float32) * self.scales) @ self.components
+        return x.reshape(x.shape[0], n_taps, -1)
+
+    def to(self, device: torch.device | str) -> "TapBasis":
+        return TapBasis(components=self.components.to(device), scales=self.scales.to(device), energy=self.energy,
+                        pilot_tokens=self.pilot_tokens)
 
     def fold(self, fc_weight_HR: torch.Tensor) -> torch.Tensor:
         """The fc on the full taps [H, D] that computes what fc' [H, R] computes on the projection."""

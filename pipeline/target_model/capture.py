@@ -49,8 +49,12 @@ def tapped_layers(model, taps: list[int], enabled: bool = True):
 
 
 class Capture:
-    def __init__(self, model, target_layer_ids: list[int], *, top_k: int, logits_chunk: int = 256, pad_id: int = 0):
+    def __init__(self, model, target_layer_ids: list[int], *, top_k: int, logits_chunk: int = 256, pad_id: int = 0,
+                 project=None):
+        """`project`: what a sample's taps [T, n_taps, H] become on the device before they are
+        copied to the host (a projected cache's basis: pipeline/projection), or None."""
         self.model = model
+        self.project = project
         self.taps = list(target_layer_ids)
         self.top_k = top_k
         self.logits_chunk = logits_chunk
@@ -78,7 +82,8 @@ class Capture:
         for row, sample in enumerate(batch):
             n = len(sample)
             stats = self._prediction_stats(last[row, :n])
-            out.append({"hidden": hidden_BTNH[row, :n].cpu(), **{k: v.cpu() for k, v in stats.items()}})
+            hidden = hidden_BTNH[row, :n] if self.project is None else self.project(hidden_BTNH[row, :n])
+            out.append({"hidden": hidden.cpu(), **{k: v.cpu() for k, v in stats.items()}})
         return out
 
     def _prediction_stats(self, last_TH: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -174,12 +174,14 @@ def loss_sum(logits, batch: PackedBatch, kind: str) -> torch.Tensor:
     return weighted_ce(logits, batch.labels, batch.weights) * total
 
 
-def placeholder(config, n_taps: int, soft_k: int | None = None, vocab: bool = False) -> SequenceBlocks:
+def placeholder(config, soft_k: int | None = None, vocab: bool = False) -> SequenceBlocks:
     """One all-zero-weight block: a rank whose share of a step has no anchor still runs a forward
-    and backward, so data-parallel gradient reduction stays in lockstep."""
+    and backward, so data-parallel gradient reduction stays in lockstep. Its context has the
+    cache's shape: n_taps taps of hidden_size, or one row of R projected values."""
     b = config.block_size
     ids = torch.full((b,), config.mask_token_id, dtype=torch.long)
-    out = SequenceBlocks(torch.zeros(1, n_taps, config.hidden_size), ids, torch.arange(b), torch.zeros(1, dtype=torch.long),
+    taps = (1, config.tap_projection) if config.tap_projection else (len(config.target_layer_ids), config.hidden_size)
+    out = SequenceBlocks(torch.zeros(1, *taps), ids, torch.arange(b), torch.zeros(1, dtype=torch.long),
                          torch.zeros(1, b, dtype=torch.long), torch.zeros(1, b))
     if soft_k:
         out.soft_ids = torch.zeros(1, b, soft_k, dtype=torch.long)

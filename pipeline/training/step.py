@@ -55,8 +55,13 @@ class StepRunner:
     # sets it.
     stream_order = False
 
-    def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma):
+    def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma,
+                 noise_scale: torch.Tensor | None = None):
+        """`noise_scale`: on a projected cache, 1 / each component's scale (pipeline/projection):
+        noise of std s on every full tap value, projected, is noise of std s / scale on each stored
+        component, so --noise-std means the same on either cache."""
         self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
+        self.noise_scale = noise_scale
         self.device, self.rank, self.world, self.gamma = device, rank, world, gamma
         self.model = drafter
         self.autocast = autocast_dtype(cfg, device)
@@ -101,7 +106,7 @@ class StepRunner:
 
     def _placeholder(self):
         capture_k = 8 if self.soft else None
-        return placeholder(self.drafter.config, len(self.drafter.config.target_layer_ids), capture_k,
+        return placeholder(self.drafter.config, capture_k,
                            vocab=self.drafter.draft_vocab is not None)
 
     def micro_batches(self, items: list) -> list[list]:
@@ -147,7 +152,8 @@ class StepRunner:
         std = self.noise_std(step)
         if std > 0:
             for sid, seq in items:
-                seq.hidden = seq.hidden + std * torch.randn(seq.hidden.shape, generator=noise_generator(self.cfg.seed, step, sid))
+                noise = std * torch.randn(seq.hidden.shape, generator=noise_generator(self.cfg.seed, step, sid))
+                seq.hidden = seq.hidden + (noise if self.noise_scale is None else noise * self.noise_scale)
         if self.plant == "random_labels":
             _random_labels(items, self.drafter.lm_head_weight.shape[0], seed=self.cfg.seed, step=step)
         tokens = sum(seq.num_tokens for _, seq in items)

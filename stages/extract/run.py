@@ -19,9 +19,10 @@ from pipeline.extract.estimate import estimate_extraction, read_inputs
 from pipeline.extract.extract_record import cache_dims, chunking, identity_record
 from pipeline.cache.address import open_location
 from pipeline.cache.location import LocalLocation
-from pipeline.cache.manifest import SourcesRecord, create_manifest, new_manifest
+from pipeline.cache.manifest import SourcesRecord, create_manifest, new_manifest, read_manifest
 from pipeline.cache.schema import MANIFEST
 from pipeline.cache.store_probe import check_create_if_absent
+from pipeline.extract.pilot_run import projection_basis
 from pipeline.extract.shard_run import ShardRun
 from pipeline.config import ExtractConfig
 from pipeline.cache.shard_plan import assign_to_groups, shard_rows
@@ -38,6 +39,20 @@ def _with_source(cfg: ExtractConfig) -> ExtractConfig:
     if cfg.generated_by is None and all(d.startswith("embedded:") for d in cfg.data):
         return replace(cfg, generated_by="the embedded target itself, greedy (pipeline/toy/generate.py)")
     return cfg
+
+
+def refuse_other_projection(location, cfg: ExtractConfig) -> None:
+    """A cache's taps are stored whole or projected to one R, for good: another --project-taps on
+    an existing cache is one line (the full identity comparison follows once the target loads)."""
+    manifest = read_manifest(location)
+    if manifest is None:
+        return
+    rank = manifest.identity.capture.projected_rank
+    if rank != cfg.project_taps:
+        stored = f"projected to {rank} values a token" if rank else "whole (not projected)"
+        asked = f"--project-taps {cfg.project_taps}" if cfg.project_taps else "no --project-taps"
+        raise PipelineError(f"{location.where()}: stores the taps {stored}, this extract has {asked}: use the "
+                            "cache's setting or another --cache")
 
 
 def run_extract_dry(cfg: ExtractConfig, shards_spec: str | None, *, assume_tokens_per_s: float | None = None,
@@ -67,12 +82,19 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     cfg, target_dir, facts, taps, selected = inputs.cfg, inputs.target_dir, inputs.facts, inputs.taps, inputs.selected
     paths, tokenizer, masker, dataset = inputs.paths, inputs.tokenizer, inputs.masker, inputs.dataset
 
+    refuse_other_projection(location, cfg)  # before the weights load and a pilot runs for nothing
     device, dtype = resolve_device("auto", cfg.compute_dtype)
     compute = dtype_name(dtype)
     model, tp_plan = load_target_on_layout(target_dir, dtype, device, layout, facts.num_key_value_heads)
+    basis = projection = pilot = None
+    if cfg.project_taps is not None:  # the basis, fitted on a pilot or read from the cache, before the manifest
+        with ProgressBar("pilot", "tokens", enabled=progress and layout.rank == 0,
+                         total=cfg.pilot_tokens) as pilot_bar:
+            basis, projection, pilot = projection_basis(cfg, location=location, layout=layout, model=model, taps=taps,
+                                                        inputs=inputs, progress=lambda n: pilot_bar.advance(n))
     identity = identity_record(cfg, facts=facts, tokenizer=tokenizer, prompt=masker.prompt(cfg.chat_template_kwargs),
                                target_dir=target_dir, taps=taps,
-                               dataset=dataset, compute_dtype=compute)
+                               dataset=dataset, compute_dtype=compute, projection=projection)
     plan = {"assignment": "contiguous: shard s holds rows [s*N//S, (s+1)*N//S)", "num_rows": dataset["num_rows"],
             "num_shards": cfg.num_shards,
             "storage": chunking(cfg).geometry(cfg.hidden_format, cache_dims(cfg, facts, taps))}
@@ -93,7 +115,8 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     mine = assign_to_groups(selected, layout.dp, layout.dp_rank)
     run = ShardRun(cfg=cfg, paths=paths, masker=masker, facts=facts, taps=taps, model=model, layout=layout,
                    location=location, tp_plan=tp_plan, identity=identity, index=dataset["index"],
-                   capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0))
+                   capture=Capture(model, taps, top_k=cfg.top_k, pad_id=tokenizer.pad_token_id or 0,
+                                   project=None if basis is None else basis.to(next(model.parameters()).device).project_taps))
     skipped = {"committed": 0, "locked": 0}
     locks = cfg.shard_locks and isinstance(location, LocalLocation)
     bar = ProgressBar("extract", "samples", enabled=progress and layout.rank == 0,
@@ -135,4 +158,5 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
         "stream_tokens_per_s": totals["tokens"] / stream_seconds,
         "writer": "inline" if run.writer_queue == 0 else f"background thread, queue {run.writer_queue}",
         "store_probe": probe.record() if probe is not None else None,
+        "projection": None if pilot is None else {"rank": cfg.project_taps, **pilot},
     }

@@ -15,6 +15,7 @@ a resumed run logs the same losses as an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,6 +32,7 @@ from pipeline.distributed import elastic_restart_hazard, first_launch, init_data
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.model import DFlashDrafter, attention_path
 from pipeline.errors import PipelineError
+from pipeline.projection.basis_file import cache_basis
 from pipeline.records.run import RunRecord, write_run_record
 from pipeline.records.run_dir import RunDir
 from pipeline.records.train_log import read_train_log, trim_to_step
@@ -131,6 +133,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
                      allow_mixed_provenance=cfg.allow_mixed_provenance, warn=warn if rank == 0 else (lambda *_: None))
     incomplete = check_complete(cfg, manifest, warn if rank == 0 else (lambda *_: None))
     config = drafter_config(cfg, facts, target_dir, list(manifest.identity.capture.target_layer_ids))
+    # A projected cache: fc reads its R values a token; the export folds the basis back (pipeline/projection).
+    basis = cache_basis(reader)
+    if basis is not None:
+        config = dataclasses.replace(config, tap_projection=basis.rank)
     check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg, device) or torch.float32
     # Counted on rank 0 alone and sent to the others; on resume, the checkpoint's (run_vocab.py)
@@ -160,7 +166,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
                                            vocab_record=vocab_record, plan=plan, config=config, incomplete=incomplete,
                                            resumed_from_step=at.step))
 
-    trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=gamma)
+    trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=gamma,
+                         noise_scale=None if basis is None else 1.0 / basis.scales)
     if world > 1:
         # Gradients as views of DDP's all-reduce buckets: one copy of them instead of two (1.8 GB a
         # rank for one drafter layer at hidden 5120); the update is the same.
@@ -188,7 +195,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         if rank == 0:
             guard("writing the export (drafter/)")
             drafter.eval()
-            export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg, device))
+            export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg, device), basis=basis)
             trackers.artifact(RunDir(out).drafter)
     finally:
         if log_file:

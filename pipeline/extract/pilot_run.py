@@ -1,0 +1,108 @@
+"""The basis of a projected cache (`extract --project-taps R`), fitted once, before any shard.
+
+The pilot is the first `--pilot-tokens` tokens of the plan's rows, shard 0 onwards (whatever
+shards this invocation writes, so every launcher means the same tokens), run through the target
+once more for their taps alone (no logits). The basis is fitted on rank 0 and stored in the cache
+if it has none (create-if-absent: of launchers racing, one basis wins and all use it); a cache
+that holds one already (a resume, a second launcher) never refits. Every rank then reads the
+stored basis, so a cache's shards are all in one basis (DESIGN 5).
+
+Under torchrun rank 0 decides whether to fit; then the ranks of its tensor-parallel group run
+the pilot's forwards with it (they are collectives), and the other ranks wait for its result.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline.cache.identity import ProjectionRecord
+from pipeline.cache.shard_plan import shard_rows
+from pipeline.data.samples import length_batches, prepare_samples
+from pipeline.distributed import broadcast_from_rank0, decided_on_rank0
+from pipeline.errors import PipelineError
+from pipeline.projection.basis import SecondMoment, TapBasis, fit_basis
+from pipeline.projection.basis_file import read_basis, store_basis
+from pipeline.target_model.capture import tapped_layers
+
+
+def pilot_description(tokens: int) -> str:
+    return f"the first {tokens} tokens of the plan's rows, shard 0 onwards (taps concatenated, uncentred)"
+
+
+def pilot_samples(cfg, paths, masker, facts, index, num_rows: int) -> list[tuple[int, list[int]]]:
+    """(sample id, token ids) of the pilot: samples in row order until `pilot_tokens`; the last one
+    cut to fit."""
+    out, tokens = [], 0
+    for shard in range(cfg.num_shards):
+        samples, _ = prepare_samples(cfg, paths, shard_rows(shard, num_rows, cfg.num_shards), masker,
+                                     facts.vocab_size, index)
+        for sid, ids, _mask in sorted(samples, key=lambda s: s[0]):
+            take = ids[:cfg.pilot_tokens - tokens]
+            out.append((sid, take))
+            tokens += len(take)
+            if tokens >= cfg.pilot_tokens:
+                return out
+    return out
+
+
+@torch.no_grad()
+def forward_pilot_moment(model, taps: list[int], width: int, samples, batch_tokens: int, *, accumulate: bool,
+                 progress=None) -> SecondMoment:
+    """Run the pilot's samples through the target (taps only) and sum their second moment."""
+    device = next(model.parameters()).device
+    moment = SecondMoment(width, device=device)
+    pad = 0
+    for batch in length_batches([(sid, ids, None) for sid, ids in samples], batch_tokens):
+        width = max(len(ids) for _, ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        for row, (_, sample, _) in enumerate(batch):
+            ids[row, :len(sample)] = torch.tensor(sample)
+        with tapped_layers(model, taps) as captured:
+            model.model(input_ids=ids.to(device), use_cache=False)
+        stacked = captured.stacked()
+        if accumulate:
+            for row, (_, sample, _) in enumerate(batch):
+                moment.add(stacked[row, :len(sample)].reshape(len(sample), -1).float())
+        if progress is not None:
+            progress(sum(len(s) for _, s, _ in batch))
+    return moment
+
+
+def projection_basis(cfg, *, location, layout, model, taps, inputs, progress=None) -> tuple[TapBasis, ProjectionRecord, dict]:
+    """(the cache's basis, its record for the identity, what was done: fitted or read, seconds)."""
+    start = time.perf_counter()
+    world = layout.world_size
+    stored = decided_on_rank0(lambda: read_basis(location) is not None, rank=layout.rank, world=world,
+                              what="looking for the cache's basis")
+    fitted = None
+    if not stored:
+        if layout.dp_rank == 0:
+            samples = pilot_samples(cfg, inputs.paths, inputs.masker, inputs.facts, inputs.dataset["index"],
+                                    inputs.dataset["num_rows"])
+            moment = forward_pilot_moment(model, taps, len(taps) * inputs.facts.hidden_size, samples, cfg.batch_tokens,
+                                  accumulate=layout.rank == 0,
+                                  progress=progress)
+        else:
+            moment = None
+
+        def fit() -> str:
+            basis = fit_basis(moment, cfg.project_taps)
+            return store_basis(location, basis, pilot_description(moment.tokens)).digest()
+        fitted = decided_on_rank0(fit, rank=layout.rank, world=world, what="fitting the tap basis")
+    basis = read_basis(location)
+    if basis is None:
+        raise PipelineError(f"{location.where()}: the tap basis vanished after it was stored")
+    if fitted is not None and basis.digest() != fitted:
+        raise PipelineError(f"{location.where()}: the stored basis changed while this extract read it")
+    if basis.rank != cfg.project_taps or basis.width != len(taps) * inputs.facts.hidden_size:
+        raise PipelineError(f"{location.where('basis.safetensors')}: the cache's basis projects "
+                            f"{basis.width} values to {basis.rank}, this extract asks --project-taps "
+                            f"{cfg.project_taps} of {len(taps) * inputs.facts.hidden_size}: use the cache's "
+                            "settings or another --cache")
+    broadcast_from_rank0(None, world)  # every rank has read it before any shard is written
+    record = ProjectionRecord(rank=basis.rank, digest=basis.digest(), energy=basis.energy,
+                              pilot_tokens=basis.pilot_tokens, pilot=pilot_description(basis.pilot_tokens))
+    return basis, record, {"basis": "fitted" if not stored else "read from the cache", "energy": basis.energy,
+                           "pilot_tokens": basis.pilot_tokens, "seconds": time.perf_counter() - start}
