@@ -69,7 +69,10 @@ def _identity(manifest: Manifest) -> dict:
                     "hidden_size": capture.hidden_size, "vocab_size": capture.vocab_size, "top_k": capture.top_k,
                     "hidden_format": capture.hidden_format, "stored_dtype": capture.stored_dtype,
                     "compute_dtype": capture.compute_dtype, "max_length": capture.max_length,
-                    "overlong": capture.overlong},
+                    "overlong": capture.overlong,
+                    "projection": None if capture.projection is None else {
+                        "rank": capture.projection.rank, "digest": capture.projection.digest,
+                        "energy": capture.projection.energy, "pilot_tokens": capture.projection.pilot_tokens}},
         "data": {"num_rows": identity.data.num_rows, "files": len(identity.data.files),
                  "generated_by": identity.data.generated_by},
         "num_shards": identity.num_shards,

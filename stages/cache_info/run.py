@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.cache.info import cache_info
 from pipeline.cache.address import open_location
+from pipeline.errors import PipelineError
 from pipeline.training.train_config import max_length_source, resolve_config
 
 
@@ -40,6 +41,10 @@ def tap_energy(reader, ranks: list[int], tokens: int) -> dict:
     from pipeline.projection.pilot import pilot_moment
 
     dims = reader.manifest.identity.capture.dims()
+    if reader.manifest.identity.capture.projection is not None:
+        raise PipelineError(f"--energy: {reader.dir} stores the taps projected already (to "
+                            f"{dims['projected_rank']} values a token); ask it of a cache of whole taps, such as a "
+                            "first shard extracted without --project-taps")
     for r in ranks:  # before the pass over the cache
         check_rank(r, dims["n_taps"] * dims["hidden_size"], "--energy")
     moment = pilot_moment(reader, tokens)
