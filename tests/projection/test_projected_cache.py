@@ -127,3 +127,27 @@ def test_train_on_the_projected_cache_exports_an_ordinary_folded_drafter(project
                     "--tree-budget", "", "--limit", "1", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["teacher_forced"]["anchors"] > 0
+    # the checkpoint's drafter (fc' not folded) cannot run on the live target's full taps
+    from pipeline.embedded import TARGET_DIR
+    done = cli_here("eval", "--drafter", str(checkpoints[-1] / "drafter"), "--target", str(TARGET_DIR),
+                    "--max-new-tokens", "4", "--limit", "1")
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and "RUN/drafter" in done.stderr
+
+
+def test_cache_info_shows_the_projection_and_refuses_energy_of_a_projection(projected):
+    done = cli_here("cache-info", str(projected["cache"]), "--json")
+    assert json.loads(done.stdout)["identity"]["capture"]["projection"]["rank"] == R
+    done = cli_here("cache-info", str(projected["cache"]), "--energy", "8")
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and "projected already" in done.stderr
+
+
+def test_the_dry_run_bills_the_projected_bytes_and_the_pilot(projected):
+    cfg = projected["cfg"]
+    done = cli_here("extract", "--dry-run", "--cache", str(projected["root"] / "none"), "--data", cfg.data[0],
+                    "--num-shards", "3", "--project-taps", str(R), "--pilot-tokens", str(PILOT), "--json")
+    bill = json.loads(done.stdout)
+    full = json.loads(cli_here("extract", "--dry-run", "--cache", str(projected["root"] / "none"), "--data", cfg.data[0],
+                               "--num-shards", "3", "--json").stdout)
+    # the hidden array: R bf16 values instead of 3 x 128
+    assert full["raw_bytes_per_token"] - bill["raw_bytes_per_token"] == (3 * 128 - R) * 2
+    assert bill["forward_tokens"] == bill["tokens"] + PILOT
