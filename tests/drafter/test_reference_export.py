@@ -27,9 +27,9 @@ H, V, TAPS = 32, 64, 3
 KINDS = ["sliding_attention", "sliding_attention", "full_attention"]
 
 
-def drafter(window=5, block=6, seed=0):
+def drafter(window=5, block=6, seed=0, tap_projection=None):
     torch.manual_seed(seed)
-    config = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS), num_attention_heads=4,
+    config = DrafterConfig(tap_projection=tap_projection, hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS), num_attention_heads=4,
                            num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5], num_target_layers=8,
                            mask_token_id=V - 1, block_size=block, rope_theta=50000.0, max_position_embeddings=4096,
                            layer_types=KINDS, sliding_window=window)
@@ -194,6 +194,40 @@ def test_reference_class_loads_the_export_strictly_and_drafts_the_same_tokens(tm
         final = theirs(position_ids=torch.arange(context_len + block)[None],
                        noise_embedding=ours._frozen["embed"](ids),
                        target_hidden=context.reshape(1, context_len, TAPS * H))
+        reference = ours._frozen["lm_head"](final)[0, 1:]
+    torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == reference.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("context_len", [3, 20])
+def test_reference_class_drafts_from_the_full_taps_what_a_drafter_trained_on_a_projection_drafts(tmp_path, context_len):
+    """Issue 68: a drafter whose fc reads R projected values, exported with its basis folded into
+    fc; the reference class, given the full taps, drafts what ours drafts from their projection."""
+    from transformers import AttentionInterface
+
+    from pipeline.projection.basis import SecondMoment, fit_basis
+
+    cls = reference_class()
+    AttentionInterface.register("serving_engine_rule", engine_rule_attention)
+    g = torch.Generator().manual_seed(3)
+    pilot = torch.randn(400, TAPS * H, generator=g) @ (torch.randn(TAPS * H, TAPS * H, generator=g)
+                                                       * torch.logspace(0, -2, TAPS * H)[:, None])
+    moment = SecondMoment(TAPS * H)
+    moment.add(pilot)
+    basis = fit_basis(moment, 40)
+    ours = drafter(tap_projection=40)
+    export_drafter(ours, tmp_path / "d", basis=basis)
+    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule",
+                                       output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    theirs.eval()
+    taps = pilot[:context_len].reshape(context_len, TAPS, H)
+    mine = draft_logits(ours, basis.project_taps(taps), 7, context_len)      # fc' on [T, 1, R]
+    ids = torch.full((1, ours.config.block_size), ours.config.mask_token_id)
+    ids[0, 0] = 7
+    with torch.no_grad():
+        final = theirs(position_ids=torch.arange(context_len + ours.config.block_size)[None],
+                       noise_embedding=ours._frozen["embed"](ids), target_hidden=taps.reshape(1, context_len, TAPS * H))
         reference = ours._frozen["lm_head"](final)[0, 1:]
     torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
     assert mine.argmax(-1).tolist() == reference.argmax(-1).tolist()
