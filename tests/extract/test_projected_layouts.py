@@ -1,0 +1,92 @@
+"""A projected cache (`extract --project-taps R`) has one basis however it is written: by one
+process, by two data-parallel processes under torchrun (rank 0 fits, the other waits and reads
+the stored basis: the same bytes as one process), by tensor parallelism (the same rows up to the
+sharded matmuls' rounding), and by two launchers started at once on the same cache (one basis
+stored, every shard naming its digest)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness.caches import assert_same_content, manifest_json
+from harness.runs import REPO, cli_here, torchrun, write_rows
+from pipeline.cache.reader import open_cache
+from pipeline.projection.basis_file import cache_basis
+
+PROJECT = ["--project-taps", "40", "--pilot-tokens", "1500"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, train_rows):
+    return write_rows(tmp_path_factory.mktemp("data") / "convs.jsonl", train_rows[:24])
+
+
+def extract_args(cache, data, *extra):
+    return ("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4", "--batch-tokens", "256",
+            *PROJECT, "--json", *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    cache = tmp_path_factory.mktemp("ref") / "cache"
+    result = cli_here(*extract_args(cache, data))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["projection"]["basis"] == "fitted"
+    return cache
+
+
+def basis_digest_everywhere(cache) -> str:
+    """The basis file's digest as the manifest and every shard record name it (one value)."""
+    manifest = manifest_json(cache)
+    digest = manifest["config"]["capture"]["projection"]["digest"]
+    assert {rec["identity"]["projection_digest"] for rec in manifest["shards"].values()} == {digest}
+    assert len(manifest["shards"]) == 4
+    return digest
+
+
+def reconstructed(cache) -> dict[int, np.ndarray]:
+    """Each sample's taps as its rows stand for them (P^T s z), float64."""
+    reader = open_cache(cache)
+    basis = cache_basis(reader)
+    out = {}
+    for name in reader.shards:
+        shard = reader.shard(name)
+        for sid in map(int, shard.sample_ids):
+            out[sid] = basis.reconstruct(shard.hidden(sid).float(), 3).double().numpy()
+    return out
+
+
+def test_two_data_parallel_processes_write_the_one_process_cache(tmp_path, data, reference):
+    cache = tmp_path / "dp2"
+    result = torchrun(2, *extract_args(cache, data))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (cache / "basis.safetensors").read_bytes() == (reference / "basis.safetensors").read_bytes()
+    assert basis_digest_everywhere(cache) == basis_digest_everywhere(reference)
+    assert_same_content(cache, reference)
+
+
+def test_tensor_parallel_2_stores_the_same_rows_up_to_rounding(tmp_path, data, reference):
+    cache = tmp_path / "tp2"
+    result = torchrun(2, *extract_args(cache, data, "--tp", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    basis_digest_everywhere(cache)
+    mine, theirs = reconstructed(cache), reconstructed(reference)
+    assert sorted(mine) == sorted(theirs)
+    for sid in mine:
+        scale = np.abs(theirs[sid]).max()
+        np.testing.assert_allclose(mine[sid], theirs[sid], atol=0.03 * scale, err_msg=f"sample {sid}")
+
+
+def test_two_launchers_at_once_store_one_basis(tmp_path, data):
+    cache = tmp_path / "two"
+    launch = [subprocess.Popen([sys.executable, "-m", "cli", *extract_args(cache, data, "--shards", shards)],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for shards in ("0-1", "2-3")]
+    for p in launch:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    digest = basis_digest_everywhere(cache)
+    assert cache_basis(open_cache(cache)).digest() == digest
