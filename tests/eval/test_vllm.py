@@ -8,7 +8,8 @@ The rest is opt-in (DFLASH_VLLM=1): benchmarks/serving/serve_vllm.py end to end 
 vLLM's CPU build in its own venv (about 90 s of download and 3.5 GB the first time;
 DFLASH_VLLM_VENV names a venv the benchmark built, to reuse it), generation through vLLM with
 its parsers on and off, and the exported drafter served as vLLM's DFlash speculative model, with
-the whole vocabulary and with a draft vocabulary (`--draft-vocab`: its `d2t` and head rows).
+the whole vocabulary, with a draft vocabulary (`--draft-vocab`: its `d2t` and head rows), and
+trained on a projected cache (`extract --project-taps`: its export's fc folded).
 """
 
 from __future__ import annotations
@@ -152,6 +153,23 @@ def test_vllm_serves_the_target_and_the_exported_drafter(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert served.returncode == 0, (served.stdout + served.stderr)[-4000:]
     _served_as_eval_decodes(json.loads((tmp_path / "work-dv" / "summary.json").read_text())["speculative"])
+
+    # A projected cache (issue 68): the drafter trained on 96 projected values a token, its export
+    # folded into an ordinary fc on the full taps, which vLLM serves unchanged.
+    projected, run = tmp_path / "projected-cache", tmp_path / "projected-run"
+    extracted = subprocess.run([sys.executable, "cli.py", "extract", "--cache", str(projected), "--num-shards", "2",
+                                "--project-taps", "96", "--pilot-tokens", "32768", "--json"], cwd=REPO,
+                               capture_output=True, text=True, timeout=1800)
+    assert extracted.returncode == 0, extracted.stderr[-3000:]
+    trained = subprocess.run([sys.executable, "cli.py", "train", "--cache", str(projected), "--out", str(run),
+                              "--max-steps", "150", "--json"], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "tap_projection" not in json.loads((run / "drafter" / "config.json").read_text())
+    served = subprocess.run([sys.executable, "benchmarks/serving/serve_vllm.py", "--work", str(tmp_path / "work-pj"), "--venv", venv,
+                             "--rows", "12", "--max-new-tokens", "160", "--skip", "generate", "--drafter", str(run / "drafter")],
+                            cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert served.returncode == 0, (served.stdout + served.stderr)[-4000:]
+    _served_as_eval_decodes(json.loads((tmp_path / "work-pj" / "summary.json").read_text())["speculative"])
 
 
 def _served_as_eval_decodes(spec: dict) -> None:
