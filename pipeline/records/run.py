@@ -32,6 +32,7 @@ class RunRecord:
     slot_weights: str | None = None         # what weighed the draft slots, and what it left unused (gamma under dpace)
     attention_path: str | None = None
     draft_vocab: dict | None = None         # a draft vocabulary's size, digest, coverage, reserved tokens (DESIGN 3.4)
+    tap_projection: dict | None = None      # a projected cache's basis: rank, digest, energy, pilot tokens (pipeline/projection)
     optimizer: str | None = None
     kernels: list | None = None             # the kernel paths the cache was extracted with
     incomplete_cache: dict | None = None    # what was missing when the run started on an incomplete cache

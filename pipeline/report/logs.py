@@ -84,7 +84,16 @@ def run_finished(log: Path) -> bool:
 def draft_vocab_of(log: Path) -> dict | None:
     """The draft vocabulary the run beside `log` trained with (run.json's record), None without one
     or without a readable run.json."""
+    return _run_record_field(log, "draft_vocab")
+
+
+def tap_projection_of(log: Path) -> dict | None:
+    """The basis of the projected cache the run beside `log` trained on (run.json), or None."""
+    return _run_record_field(log, "tap_projection")
+
+
+def _run_record_field(log: Path, name: str):
     try:
-        return read_run_record(RunDir.holding(log_path(log)).run_record).draft_vocab
+        return getattr(read_run_record(RunDir.holding(log_path(log)).run_record), name)
     except PipelineError:
         return None

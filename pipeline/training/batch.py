@@ -69,6 +69,16 @@ def noise_generator(seed: int, step: int, sample_id: int) -> torch.Generator:
     return torch.Generator().manual_seed(((seed * 999_983 + step) * 2_147_483_629 + sample_id + 0x5EED) % 2**63)
 
 
+def context_noise(shape, std: float, generator: torch.Generator, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Gaussian noise of `std` for context features of `shape` (DESIGN 3.6). `scale`: on a
+    projected cache, 1 / each component's scale (pipeline/projection): noise of std s on every
+    full tap value, projected onto the orthonormal basis, is noise of std s on each component,
+    divided by the component's scale as the stored values are, so --noise-std means the same on
+    either cache."""
+    noise = std * torch.randn(shape, generator=generator)
+    return noise if scale is None else noise * scale
+
+
 def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int, mask_token_id: int, gamma: float,
             generator: torch.Generator, soft: bool = False, noise_std: float = 0.0,
             noise: torch.Generator | None = None, vocab: DraftVocab | None = None) -> SequenceBlocks | None:

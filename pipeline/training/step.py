@@ -16,8 +16,8 @@ import torch.distributed as dist
 from pipeline.cache.schema import SAMPLE_ID
 from pipeline.config import TrainConfig, parse_loss
 from pipeline.devices import autocast
-from pipeline.training.batch import (anchor_generator, final_hidden, forward_logits, loss_sum, noise_generator, pack,
-                                     placeholder, prepare)
+from pipeline.training.batch import (anchor_generator, context_noise, final_hidden, forward_logits, loss_sum,
+                                     noise_generator, pack, placeholder, prepare)
 from pipeline.errors import PipelineError
 from pipeline.faults import LR_BLOWUP_STEP, planted
 from pipeline.schedule import warmup_cosine
@@ -57,9 +57,7 @@ class StepRunner:
 
     def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma,
                  noise_scale: torch.Tensor | None = None):
-        """`noise_scale`: on a projected cache, 1 / each component's scale (pipeline/projection):
-        noise of std s on every full tap value, projected, is noise of std s / scale on each stored
-        component, so --noise-std means the same on either cache."""
+        """`noise_scale`: on a projected cache, 1 / each component's scale (batch.context_noise)."""
         self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
         self.noise_scale = noise_scale
         self.device, self.rank, self.world, self.gamma = device, rank, world, gamma
@@ -152,8 +150,8 @@ class StepRunner:
         std = self.noise_std(step)
         if std > 0:
             for sid, seq in items:
-                noise = std * torch.randn(seq.hidden.shape, generator=noise_generator(self.cfg.seed, step, sid))
-                seq.hidden = seq.hidden + (noise if self.noise_scale is None else noise * self.noise_scale)
+                seq.hidden = seq.hidden + context_noise(seq.hidden.shape, std, noise_generator(self.cfg.seed, step, sid),
+                                                        self.noise_scale)
         if self.plant == "random_labels":
             _random_labels(items, self.drafter.lm_head_weight.shape[0], seed=self.cfg.seed, step=step)
         tokens = sum(seq.num_tokens for _, seq in items)

@@ -20,7 +20,7 @@ from pipeline.errors import PipelineError
 from pipeline.records.eval_result import read_decoded_taus
 from pipeline.report.analysis import analyse, compare_runs
 from pipeline.records.run_dir import RunDir
-from pipeline.report.logs import draft_vocab_of, log_path, read_run, run_finished
+from pipeline.report.logs import draft_vocab_of, log_path, read_run, run_finished, tap_projection_of
 from pipeline.report.plots import plot, plot_kinds
 
 
@@ -51,6 +51,9 @@ def run_report(logs: list[Path], *, window_size: int | None, every: int | None, 
             outside = [x.outside_vocab for x in r.records if isinstance(x.outside_vocab, (int, float))]
             analysed["draft_vocab"] = {"size": vocab.get("size"), "target_size": vocab.get("target_size"),
                                        "coverage": vocab.get("coverage"), "outside_vocab_last": outside[-1] if outside else None}
+        projection = tap_projection_of(r.path)
+        if projection:  # what fc read: the cache's taps projected to R values a token
+            analysed["tap_projection"] = {k: projection.get(k) for k in ("rank", "energy", "pilot_tokens", "digest")}
     if reference_tau is not None:
         for r in result["runs"]:
             streak = r["extrapolated"].get("avg_streak")

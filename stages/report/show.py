@@ -96,6 +96,10 @@ def _report_run(run: dict) -> None:
         console.print(f"draft vocabulary: {dv['size']:,} of {dv['target_size']:,} tokens, covering {dv['coverage']:.2%} of "
                       f"the cache's labels" + ("" if last is None else f"; outside it in the last log line: {last:.2%} "
                                                "of supervised slots (out of the loss, misses in the metrics)"))
+    if run.get("tap_projection"):
+        tp = run["tap_projection"]
+        console.print(f"projected cache: fc trained on {tp['rank']:,} values a token (a basis keeping {tp['energy']:.2%} "
+                      f"of a {tp['pilot_tokens']:,}-token pilot's energy, {tp['digest'][:12]}); the export folds it")
     if "reference" in run and run["reference"]["extrapolated_tau"] is not None:
         ref = run["reference"]
         console.print(f"extrapolated tau {ref['extrapolated_tau']:.2f} vs reference {ref['reference_tau']:.2f} "

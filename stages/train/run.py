@@ -108,6 +108,8 @@ def describe_run(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: in
         frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
         slot_weights=describe_slot_weights(cfg.position_weight, gamma, cfg.dpace_alpha),
         attention_path=attention_path, draft_vocab=vocab_record,
+        tap_projection=None if manifest.identity.capture.projection is None
+        else asdict(manifest.identity.capture.projection),
         optimizer=describe_optimizer(world),
         plan=asdict(plan), drafter=asdict(config), kernels=list(kernel_paths(manifest)),
         incomplete_cache=incomplete if incomplete["missing"] else None,

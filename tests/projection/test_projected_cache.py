@@ -127,6 +127,15 @@ def test_train_on_the_projected_cache_exports_an_ordinary_folded_drafter(project
                     "--tree-budget", "", "--limit", "1", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["teacher_forced"]["anchors"] > 0
+    # the basis is the run's identity: run.json and the report name it, a resume on another basis is refused
+    digest = json.loads((projected["cache"] / "manifest.json").read_text())["config"]["capture"]["projection"]["digest"]
+    assert json.loads((out / "run.json").read_text())["tap_projection"]["digest"] == digest
+    assert f"fc trained on {R} values a token" in cli_here("report", str(out)).stdout
+    other = projected["root"] / "other-basis"
+    run_extract(ExtractConfig(**{**projected["cfg"].__dict__, "cache": str(other), "pilot_tokens": 600}), None,
+                progress=False)
+    done = cli_here("train", "--cache", str(other), "--out", str(out), "--max-steps", "4", "--noise-std", "0.05")
+    assert done.returncode != 0 and "cannot resume, the cache differs" in done.stderr
     # the checkpoint's drafter (fc' not folded) cannot run on the live target's full taps
     from pipeline.embedded import TARGET_DIR
     done = cli_here("eval", "--drafter", str(checkpoints[-1] / "drafter"), "--target", str(TARGET_DIR),
