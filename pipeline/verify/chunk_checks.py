@@ -1,6 +1,7 @@
 """Model-free checks that decode every chunk of a cache (DESIGN 6, 10): each inner chunk's
-CRC32C (Zarr verifies it on decode), NaN/Inf per tap in the hidden states, and each sample's tap
-signature (swapped taps). Memory stays bounded: one inner chunk is decoded at a time.
+CRC32C (Zarr verifies it on decode), NaN/Inf per tap in the hidden states (per projected row in a
+projected cache), and each sample's tap signature (swapped taps; not in a projected cache, whose
+rows mix the taps). Memory stays bounded: one inner chunk is decoded at a time.
 """
 
 from __future__ import annotations
@@ -13,21 +14,22 @@ from pipeline.verify.bounded_reads import sound_shards
 from pipeline.verify.check_report import Check, SampleList
 from pipeline.cache.encoding import decode_hidden
 from pipeline.cache.reader import CacheReader, ShardReader
-from pipeline.cache.schema import HIDDEN, array_specs
+from pipeline.cache.schema import HIDDEN, array_specs, tap_rows
 from pipeline.errors import PipelineError
 
 
 def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, seed: int, progress=None) -> tuple[Check, Check, Check]:
-    """Decode chunks (Zarr verifies each CRC32C on decode); count NaN/Inf per tap on the way, and
-    collect each sample's tap signature (see check_tap_signature)."""
+    """Decode chunks (Zarr verifies each CRC32C on decode); count NaN/Inf per stored row on the
+    way (a tap, or a projected cache's one row), and collect each sample's tap signature (see
+    TapSignatures) where the rows are the taps."""
     rng = random.Random(seed)
-    dims = reader.manifest.identity.capture.dims()
-    n_taps = dims["n_taps"]
-    nan, inf = np.zeros(n_taps, dtype=np.int64), np.zeros(n_taps, dtype=np.int64)
+    capture = reader.manifest.identity.capture
+    rows = tap_rows(capture.dims())[0]
+    nan, inf = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     decoded = total = 0
     failures = []
     bad_samples = SampleList()
-    signatures = TapSignatures(n_taps)
+    signatures = TapSignatures(rows) if capture.projection is None else None
     for name, shard in sound_shards(reader, shards):
         for spec in array_specs(reader.hidden_format):
             arr = shard.group[spec.name]
@@ -48,21 +50,37 @@ def check_chunks(reader: CacheReader, shards: list[str], sample_rate: float, see
                     inf += np.isinf(values).sum(axis=(0, 2))
                     tokens = a + np.flatnonzero(~np.isfinite(values).all(axis=(1, 2)))
                     bad_samples.add_tokens(shard, tokens)
-                    signatures.add(name, shard, a, values)
+                    if signatures is not None:
+                        signatures.add(name, shard, a, values)
         if progress:
             progress()
     crc = Check("checksums", not failures,
                 f"{decoded} of {total} chunks decoded with CRC32C verified" + (f"; {len(failures)} failed" if failures else ""),
                 {"failures": failures[:50], "decoded": decoded, "total": total, "sample_rate": sample_rate})
-    finite = Check("finite", not (nan.any() or inf.any()), "NaN/Inf per tap: " + ", ".join(
-        f"tap {t}: {int(n)}/{int(i)}" for t, n, i in zip(reader.manifest.identity.capture.target_layer_ids, nan, inf))
-        + (f"; {bad_samples.describe()}" if bad_samples else ""),
-        {"nan_per_tap": nan.tolist(), "inf_per_tap": inf.tolist(), **bad_samples.evidence()})
-    if sample_rate < 1.0:
+    finite = finite_check(capture, nan, inf, bad_samples)
+    if signatures is None:
+        signature = Check("tap_signature", True, f"skipped: projected cache: the taps are mixed into "
+                                                 f"{capture.projected_rank} components (no per-tap scale to step through)",
+                          skipped=True)
+    elif sample_rate < 1.0:
         signature = Check("tap_signature", True, "skipped: --sample-rate < 1 decodes only part of each sample", skipped=True)
     else:
-        signature = signatures.check(reader.manifest.identity.capture.target_layer_ids)
+        signature = signatures.check(capture.target_layer_ids)
     return crc, finite, signature
+
+
+def finite_check(capture, nan: np.ndarray, inf: np.ndarray, bad_samples: SampleList) -> Check:
+    """NaN/Inf counts per stored row: per tap, or for the one projected row (in a projected cache a
+    bad value cannot be traced to a tap: every component mixes them all)."""
+    if capture.projection is not None:
+        summary = f"NaN/Inf in the projected row ({capture.projected_rank} components): {int(nan[0])}/{int(inf[0])}"
+        evidence = {"nan_projected": int(nan[0]), "inf_projected": int(inf[0])}
+    else:
+        summary = "NaN/Inf per tap: " + ", ".join(f"tap {t}: {int(n)}/{int(i)}"
+                                                  for t, n, i in zip(capture.target_layer_ids, nan, inf))
+        evidence = {"nan_per_tap": nan.tolist(), "inf_per_tap": inf.tolist()}
+    return Check("finite", not (nan.any() or inf.any()), summary + (f"; {bad_samples.describe()}" if bad_samples else ""),
+                 {**evidence, **bad_samples.evidence()})
 
 
 class TapSignatures:

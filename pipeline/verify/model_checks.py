@@ -3,7 +3,10 @@
 `check_tail`: every sample's stored deepest tap, run through the layers after it, the final norm
 and the lm_head, must reproduce its stored predictions (a few percent of a forward per sample).
 `check_recompute`: a stratified set of samples re-run from the embeddings, every stored tap
-compared with every `hidden_states[j]` (catches off-by-one and swapped taps in those samples).
+compared with every `hidden_states[j]` (catches off-by-one and swapped taps in those samples); in
+a projected cache, the stored rows with the projection of the fresh taps (layer offsets and
+position shifts around the recorded ones). The tail check needs a stored tap: a projected cache
+has none, and `tail_unavailable` says so.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pipeline.cache.schema import (HARD_LABEL, HIDDEN, INPUT_IDS, SAMPLE_ID, SOF
                                    TARGET_LOGSUMEXP, TARGET_TOPK_IDS, TARGET_TOPK_LOGITS, role_names)
 from pipeline.target_model.capture import LogitChunks, logsumexp_, tail_forward
 from pipeline.errors import PipelineError
+from pipeline.projection.basis import TapBasis
+from pipeline.projection.basis_file import cache_basis
 from pipeline.target_model.kernels import kernel_record
 from pipeline.target_model.internals import KernelCallCounter
 
@@ -62,10 +67,15 @@ def stratified_picks(reader: CacheReader, shards: list[str], n: int, seed: int) 
 
 @torch.no_grad()
 def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
-    """Every stored tap against every hidden_states[j]: the best j must be tap + 1."""
-    taps = reader.manifest.identity.capture.target_layer_ids
-    worst = {"max_abs": 0.0, "max_rel": 0.0, "argmax_shortfall": 0.0}
-    best_index: dict[int, dict[int, int]] = {t: {} for t in taps}
+    """Every picked sample re-run from the embeddings: its stored taps against the fresh forward's
+    hidden states (TapAlignment; a projected cache's rows: ProjectedAlignment), its stored
+    predictions against the fresh logits."""
+    cap = reader.manifest.identity.capture
+    try:
+        basis = cache_basis(reader)
+    except PipelineError as e:  # missing or replaced: the basis check names it; nothing to project with
+        return Check("recompute", True, f"skipped: {e}", skipped=True)
+    taps = TapAlignment(cap.target_layer_ids) if basis is None else ProjectedAlignment(basis, cap.target_layer_ids)
     argmax_same = topk_same = positions = 0
     # The stored argmax must be a best logit of the recompute up to rounding: where two logits are
     # nearly tied (random weights make most positions so; a real model some), another reduction
@@ -73,7 +83,7 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     # agreement is reported, not required (the tail recompute's rule and tolerance).
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     shortfall_tol = TAIL_TOLERANCE[reader.hidden_format]["argmax"] * (4 if bf16 else 1)
-    best_shift: dict[int, int] = {}
+    worst_shortfall = 0.0
     counter = KernelCallCounter(model)
     for name, row in picks:
         shard = reader.shard(name)
@@ -83,40 +93,20 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
         with counter:
             out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True)
         states = torch.stack([h[0].float().cpu() for h in out.hidden_states])  # [L+1, T, H]
-        stored = sample[HIDDEN].float()                                      # [T, n_taps, H]
-        for k, tap in enumerate(taps):
-            err = (states - stored[:, k][None]).abs().amax(dim=(1, 2))         # per hidden_states index
-            j = int(err.argmin())
-            best_index[tap][j] = best_index[tap].get(j, 0) + 1
-            ref = states[tap + 1]
-            shift_err = {d: float((stored[max(d, 0):len(stored) + min(d, 0), k] - ref[max(-d, 0):len(ref) - max(d, 0)]).abs().max())
-                         for d in (-1, 0, 1)}
-            d_best = min(shift_err, key=shift_err.get)
-            best_shift[d_best] = best_shift.get(d_best, 0) + 1
-            abs_err = float((stored[:, k] - ref).abs().max())
-            worst["max_abs"] = max(worst["max_abs"], abs_err)
-            worst["max_rel"] = max(worst["max_rel"], abs_err / max(float(ref.abs().max()), 1e-6))
+        taps.add(states, sample[HIDDEN].float())
         logits = out.logits[0].float().cpu()
         argmax_same += int((logits.argmax(-1).numpy() == sample[TARGET_ARGMAX]).sum())
         stored_argmax = torch.from_numpy(sample[TARGET_ARGMAX].astype(np.int64))
         shortfall = logits.max(-1).values - logits.gather(1, stored_argmax[:, None])[:, 0]
-        worst["argmax_shortfall"] = max(worst["argmax_shortfall"], float(torch.nan_to_num(shortfall, nan=float("inf")).max()))
+        worst_shortfall = max(worst_shortfall, float(torch.nan_to_num(shortfall, nan=float("inf")).max()))
         k_top = sample[TARGET_TOPK_IDS].shape[1]
         topk_same += int((torch.topk(logits, k_top).indices.numpy() == sample[TARGET_TOPK_IDS]).all(axis=1).sum())
         positions += ids.shape[1]
     now = kernel_record(model, counter.counts)["path"]
     recorded = sorted({reader.manifest.shards[n].kernel_path for n, _ in picks})
-    aligned = all(list(best) == [t + 1] for t, best in best_index.items())
-    in_place = list(best_shift) == [0]
-    passed = aligned and in_place and worst["max_rel"] <= tol and worst["argmax_shortfall"] <= shortfall_tol
-    if not in_place:
-        d = max((d for d in best_shift if d), key=best_shift.get)
-        summary = f"hidden states shifted by {d:+d} position (stored[t] matches hidden_states[t{-d:+d}])"
-    elif aligned:
-        summary = f"{len(picks)} samples: every tap best matches hidden_states[tap+1]"
-    else:
-        summary = "taps match the wrong layers: " + ", ".join(f"tap {t} -> hidden_states{sorted(b)}" for t, b in best_index.items()
-                                                             if list(b) != [t + 1])
+    aligned, summary, evidence = taps.verdict(len(picks))
+    worst = {"max_abs": taps.max_abs, "max_rel": taps.max_rel, "argmax_shortfall": worst_shortfall}
+    passed = aligned and worst["max_rel"] <= tol and worst["argmax_shortfall"] <= shortfall_tol
     summary += (f"; max abs err {worst['max_abs']:.3g}, rel {worst['max_rel']:.3g} (tolerance {tol}); "
                 f"worst argmax shortfall {worst['argmax_shortfall']:.3g} (tolerance {shortfall_tol:g}); "
                 f"argmax agree {argmax_same / max(positions, 1):.4f}, top-k agree {topk_same / max(positions, 1):.4f}; "
@@ -124,12 +114,124 @@ def check_recompute(reader: CacheReader, picks, model, tol: float) -> Check:
     if now not in recorded:
         summary += f" (drift between kernel paths: max rel err {worst['max_rel']:.3g})"
     return Check("recompute", passed, summary, {
-        "best_hidden_state_index": {str(t): {str(j): c for j, c in b.items()} for t, b in best_index.items()},
-        "best_position_shift": {str(d): c for d, c in best_shift.items()},
-        **worst, "argmax_shortfall_tolerance": shortfall_tol,
+        **evidence, **worst, "argmax_shortfall_tolerance": shortfall_tol,
         "argmax_agreement": argmax_same / max(positions, 1), "topk_agreement": topk_same / max(positions, 1),
         "kernel_path_now": now, "kernel_path_recorded": recorded, "samples": len(picks),
         "picked": [f"{name} row {row}" for name, row in picks]})
+
+
+SHIFTS = (-1, 0, 1)  # position shifts tried: stored[t] against the fresh forward's [t - shift]
+
+
+def shifted_error(stored: torch.Tensor, ref: torch.Tensor, d: int) -> float:
+    """max |stored[t] - ref[t - d]| over the positions both have (inf where none: a one-token
+    sample has no shifted pair, and must not look best at a shift)."""
+    a, b = stored[max(d, 0):len(stored) + min(d, 0)], ref[max(-d, 0):len(ref) - max(d, 0)]
+    return float((a - b).abs().max()) if len(a) else float("inf")
+
+
+class TapAlignment:
+    """A cache of whole taps: every stored tap against every hidden_states[j], the best j must be
+    tap + 1; and against hidden_states[tap + 1] at position shifts -1/0/+1, the best must be 0.
+    max_rel: the error relative to the largest magnitude of the tap in the sample."""
+
+    def __init__(self, taps: list[int]):
+        self.taps = taps
+        self.best_index: dict[int, dict[int, int]] = {t: {} for t in taps}
+        self.best_shift: dict[int, int] = {}
+        self.max_abs = self.max_rel = 0.0
+
+    def add(self, states: torch.Tensor, stored: torch.Tensor) -> None:
+        """states [L+1, T, H]: the fresh forward's hidden states; stored [T, n_taps, H]."""
+        for k, tap in enumerate(self.taps):
+            err = (states - stored[:, k][None]).abs().amax(dim=(1, 2))         # per hidden_states index
+            j = int(err.argmin())
+            self.best_index[tap][j] = self.best_index[tap].get(j, 0) + 1
+            ref = states[tap + 1]
+            shift_err = {d: shifted_error(stored[:, k], ref, d) for d in SHIFTS}
+            d_best = min(shift_err, key=shift_err.get)
+            self.best_shift[d_best] = self.best_shift.get(d_best, 0) + 1
+            abs_err = float((stored[:, k] - ref).abs().max())
+            self.max_abs = max(self.max_abs, abs_err)
+            self.max_rel = max(self.max_rel, abs_err / max(float(ref.abs().max()), 1e-6))
+
+    def verdict(self, samples: int) -> tuple[bool, str, dict]:
+        """(aligned and in place, the summary's first part, evidence)."""
+        aligned = all(list(best) == [t + 1] for t, best in self.best_index.items())
+        in_place = list(self.best_shift) == [0]
+        if not in_place:
+            d = max((d for d in self.best_shift if d), key=self.best_shift.get)
+            summary = f"hidden states shifted by {d:+d} position (stored[t] matches hidden_states[t{-d:+d}])"
+        elif aligned:
+            summary = f"{samples} samples: every tap best matches hidden_states[tap+1]"
+        else:
+            summary = "taps match the wrong layers: " + ", ".join(
+                f"tap {t} -> hidden_states{sorted(b)}" for t, b in self.best_index.items() if list(b) != [t + 1])
+        return aligned and in_place, summary, {
+            "best_hidden_state_index": {str(t): {str(j): c for j, c in b.items()} for t, b in self.best_index.items()},
+            "best_position_shift": {str(d): c for d, c in self.best_shift.items()}}
+
+
+class ProjectedAlignment:
+    """A projected cache (pipeline/projection): the stored rows z [T, 1, R] against the fresh
+    taps, concatenated in target_layer_ids order and projected with the cache's basis. No stored
+    row is one tap, so the alignment evidence is a grid: every tap taken at layer offset -1/0/+1
+    together (hidden_states[tap + 1 + offset]) and at position shift -1/0/+1; the best of the
+    grid must be offset 0 and shift 0 (the full cache's tap + 1 and shift 0). max_rel: the error
+    of a token's row relative to its largest component (one fp8 scale covers a row)."""
+
+    OFFSETS = (-1, 0, 1)
+
+    def __init__(self, basis: TapBasis, taps: list[int]):
+        self.basis, self.taps = basis, taps
+        self.best_offset: dict[int, int] = {}
+        self.best_shift: dict[int, int] = {}
+        self.max_abs = self.max_rel = 0.0
+
+    def projected(self, states: torch.Tensor, offset: int) -> torch.Tensor | None:
+        """The projection [T, R] of the taps at hidden_states[tap + 1 + offset]; None where an
+        offset runs past the model's hidden states."""
+        index = [t + 1 + offset for t in self.taps]
+        if min(index) < 0 or max(index) >= len(states):
+            return None
+        return self.basis.project_taps(states[index].transpose(0, 1))[:, 0]
+
+    def add(self, states: torch.Tensor, stored: torch.Tensor) -> None:
+        """states [L+1, T, H]: the fresh forward's hidden states; stored [T, 1, R]."""
+        z = stored[:, 0]
+        errors = {}
+        for offset in self.OFFSETS:
+            ref = self.projected(states, offset)
+            if ref is None:
+                continue
+            errors.update({(offset, d): shifted_error(z, ref, d) for d in SHIFTS})
+            if offset == 0:
+                diff = (z - ref).abs().amax(dim=1)
+                self.max_abs = max(self.max_abs, float(diff.max()))
+                self.max_rel = max(self.max_rel, float((diff / ref.abs().amax(dim=1).clamp_min(1e-6)).max()))
+        offset, d = min(errors, key=errors.get)
+        self.best_offset[offset] = self.best_offset.get(offset, 0) + 1
+        self.best_shift[d] = self.best_shift.get(d, 0) + 1
+
+    def verdict(self, samples: int) -> tuple[bool, str, dict]:
+        """(aligned and in place, the summary's first part, evidence)."""
+        in_place, aligned = list(self.best_shift) == [0], list(self.best_offset) == [0]
+        if not in_place:
+            d = max((d for d in self.best_shift if d), key=self.best_shift.get)
+            summary = (f"projected rows shifted by {d:+d} position (stored[t] matches the projection of the "
+                       f"taps at t{-d:+d}) in {self.best_shift[d]} of {samples} samples")
+        elif not aligned:
+            offset = max((o for o in self.best_offset if o), key=self.best_offset.get)
+            summary = (f"projected rows match the taps one layer off (hidden_states[tap+1{offset:+d}], projected) "
+                       f"in {self.best_offset[offset]} of {samples} samples")
+        else:
+            summary = (f"{samples} samples: every projected row best matches the projection (basis "
+                       f"{self.basis.digest()[:12]}) of hidden_states[tap+1] in place (layer offsets and position "
+                       f"shifts -1/0/+1 tried)")
+        return aligned and in_place, summary, {
+            "basis": self.basis.digest(), "rank": self.basis.rank,
+            "best_layer_offset": {str(o): c for o, c in self.best_offset.items()},
+            "best_position_shift": {str(d): c for d, c in self.best_shift.items()}}
 
 
 @torch.no_grad()
@@ -162,12 +264,25 @@ def tail_errors(model, lm_head, deepest_tap: int, samples: list[dict], logits_ch
     return out
 
 
+def tail_unavailable(capture) -> str | None:
+    """Why the tail check cannot run on a cache (None: it can). A projected cache stores no tap:
+    each row mixes them all, and the reconstruction of the deepest tap from R components is not
+    the tap the layers after it saw, so predictions from it would differ by the projection's
+    loss, not by a fault. The stored rows are checked by --recompute instead."""
+    if capture.projection is None:
+        return None
+    return (f"projected cache: the deepest tap is not stored (the taps are mixed into {capture.projected_rank} "
+            f"components); --recompute N checks the projected rows and the predictions against a fresh forward instead")
+
+
 def check_tail(reader: CacheReader, shards: list[str], model, rate: float, seed: int, compute_dtype: str = "float32",
                batch_tokens: int = 8192) -> Check:
     """Every sample (or the --tail-rate fraction): the stored deepest tap, run through the layers
     after it, the final norm and the lm_head, must reproduce the stored argmax, top-k logits and
-    logsumexp within the storage tolerance (DESIGN 10)."""
+    logsumexp within the storage tolerance (DESIGN 10). Skipped where `tail_unavailable` says why."""
     cap = reader.manifest.identity.capture
+    if (reason := tail_unavailable(cap)) is not None:
+        return Check("tail_recompute", True, f"skipped: {reason}", skipped=True)
     deepest, num_layers = max(cap.target_layer_ids), cap.num_hidden_layers
     k = cap.target_layer_ids.index(deepest)
     # Computing in bf16 (on a GPU) adds its own rounding: a wider band, not yet measured on a GPU.

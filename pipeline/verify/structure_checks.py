@@ -1,6 +1,7 @@
 """Model-free checks that a cache's shards are what its manifest says (DESIGN 5, 6): every
 listed shard present with the declared counts, offsets, dtypes, shapes and chunking; every file's
-sha256 as its shard's commit record lists it; provenance agreeing across shards.
+sha256 as its shard's commit record lists it; provenance agreeing across shards; a projected
+cache's basis the one its manifest names.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.files import digest_of_files
 from pipeline.cache.identity import shard_field_name
 from pipeline.cache.reader import CacheReader
-from pipeline.cache.schema import DIGESTS, array_specs
+from pipeline.cache.schema import BASIS, DIGESTS, array_specs
 from pipeline.errors import PipelineError
+from pipeline.projection.basis_file import cache_basis
 
 
 def check_structure(reader: CacheReader, shards: list[str]) -> Check:
@@ -95,6 +97,28 @@ def check_digests(reader: CacheReader, shards: list[str], enabled: bool) -> Chec
     return Check("digests", not bad, f"sha256 of {files_checked} files in {len(shards)} shards"
                  + (f": {len(bad)} mismatches" if bad else " match their shards' digests.json and the manifest"),
                  {"mismatched": bad[:50]})
+
+
+def check_basis(reader: CacheReader) -> Check:
+    """A projected cache's basis.safetensors (pipeline/projection/basis_file.py): present, the
+    basis the manifest's digest names, of its rank and as wide as the taps. Without it no stored
+    row can be read back into taps, and a replaced one reads every row wrongly."""
+    capture = reader.manifest.identity.capture
+    try:
+        basis = cache_basis(reader)
+    except PipelineError as e:  # missing, not a basis, or another digest: one line naming the file
+        return Check("basis", False, str(e))
+    width = len(capture.target_layer_ids) * capture.hidden_size
+    problems = [f"{BASIS}: {what} {got}, the manifest's capture says {want}"
+                for what, got, want in (("rank", basis.rank, capture.projected_rank), ("width", basis.width, width))
+                if got != want]
+    if problems:
+        return Check("basis", False, "; ".join(problems), {"digest": basis.digest()})
+    return Check("basis", True, f"{BASIS}: basis {basis.digest()[:12]} as the manifest names, {basis.rank} "
+                                f"components of {width} tap values, keeping {basis.energy:.3f} of the energy of a "
+                                f"{basis.pilot_tokens}-token pilot",
+                 {"digest": basis.digest(), "rank": basis.rank, "width": width, "energy": basis.energy,
+                  "pilot_tokens": basis.pilot_tokens})
 
 
 def check_provenance(reader: CacheReader, shards: list[str]) -> Check:

@@ -2,8 +2,8 @@
 
 Orchestrates the checks, over every sample of the selected shards (DESIGN 10): model-free ones
 (pipeline/cache/: selection_checks (completeness, target identity), structure_checks (structure,
-digests, provenance), chunk_checks (checksums, finiteness, tap signatures), label_checks (label
-alignment, top-k)), the loss masks with the target's tokenizer and chat template
+digests, a projected cache's basis, provenance), chunk_checks (checksums, finiteness, tap
+signatures), label_checks (label alignment, top-k)), the loss masks with the target's tokenizer and chat template
 (pipeline/verify/sample_checks.py), and, with the target's weights, the tail recompute of every
 sample and the stratified `--recompute N` (pipeline/verify/model_checks.py), on a GPU when present.
 """
@@ -18,11 +18,11 @@ from pipeline.verify.check_report import Check
 from pipeline.verify.chunk_checks import check_chunks
 from pipeline.verify.label_checks import check_alignment
 from pipeline.cache.address import open_location
-from pipeline.verify.model_checks import check_recompute, check_tail, stratified_picks
+from pipeline.verify.model_checks import check_recompute, check_tail, stratified_picks, tail_unavailable
 from pipeline.cache.reader import CacheReader
 from pipeline.verify.sample_checks import check_loss_masks, check_mask_boundaries
 from pipeline.verify.selection_checks import check_completeness, check_target_identity, select_shards
-from pipeline.verify.structure_checks import check_digests, check_provenance, check_structure
+from pipeline.verify.structure_checks import check_basis, check_digests, check_provenance, check_structure
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.errors import PipelineError
 from pipeline.records.verify_result import VerifyResult
@@ -56,6 +56,8 @@ def run_verify(options: VerifyOptions, *, progress: bool = False) -> dict:
     with_broken = select_shards(reader, shards, broken=True)
     checks.append(check_structure(reader, with_broken))
     checks.append(check_digests(reader, with_broken, sample_rate >= 1.0))
+    if reader.manifest.identity.capture.projection is not None:
+        checks.append(check_basis(reader))
     with ProgressBar("verify chunks", "shards", total=len(selected), enabled=progress) as bar:
         checks.extend(check_chunks(reader, selected, sample_rate, seed, lambda: bar.advance(1)))
     checks.extend(check_alignment(reader, selected))
@@ -76,10 +78,16 @@ def run_verify(options: VerifyOptions, *, progress: bool = False) -> dict:
         checks.append(check_target_identity(reader, target_dir, tokenizer))
         checks.append(check_mask_boundaries(reader, present, tokenizer))
         checks.append(check_loss_masks(reader, present, tokenizer))
-        if tail_rate > 0 or recompute:
+        # A projected cache has no tap to run the tail from: the check's line says so, and the
+        # target is loaded only if --recompute needs it.
+        no_tail = tail_unavailable(reader.manifest.identity.capture) if tail_rate > 0 else None
+        if no_tail:
+            checks.append(Check("tail_recompute", True, f"skipped: {no_tail}", skipped=True))
+        tail = tail_rate > 0 and not no_tail
+        if tail or recompute:
             model = load_target(target_dir, dtype=placement[1]).to(placement[0])
             compute = {"device": str(placement[0]), "dtype": dtype_name(placement[1])}
-            if tail_rate > 0:
+            if tail:
                 checks.append(check_tail(reader, present, model, tail_rate, seed, compute["dtype"]))
             if recompute:
                 tol = 0.02 if reader.hidden_format == "bf16" else 0.1
