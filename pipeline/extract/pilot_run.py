@@ -76,7 +76,7 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs, progress=Non
     world = layout.world_size
     stored = decided_on_rank0(lambda: read_basis(location) is not None, rank=layout.rank, world=world,
                               what="looking for the cache's basis")
-    fitted = None
+    fitted, forwards, fit_seconds = None, 0.0, 0.0
     if not stored:
         if layout.dp_rank == 0:
             samples = pilot_samples(cfg, inputs.paths, inputs.masker, inputs.facts, inputs.dataset["index"],
@@ -87,10 +87,13 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs, progress=Non
         else:
             moment = None
 
+        forwards = time.perf_counter() - start
+
         def fit() -> str:
             basis = fit_basis(moment, cfg.project_taps)
             return store_basis(location, basis, pilot_description(moment.tokens)).digest()
         fitted = decided_on_rank0(fit, rank=layout.rank, world=world, what="fitting the tap basis")
+        fit_seconds = time.perf_counter() - start - forwards
     basis = read_basis(location)
     if basis is None:
         raise PipelineError(f"{location.where()}: the tap basis vanished after it was stored")
@@ -105,4 +108,5 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs, progress=Non
     record = ProjectionRecord(rank=basis.rank, digest=basis.digest(), energy=basis.energy,
                               pilot_tokens=basis.pilot_tokens, pilot=pilot_description(basis.pilot_tokens))
     return basis, record, {"basis": "fitted" if not stored else "read from the cache", "energy": basis.energy,
-                           "pilot_tokens": basis.pilot_tokens, "seconds": time.perf_counter() - start}
+                           "pilot_tokens": basis.pilot_tokens, "seconds": time.perf_counter() - start,
+                           "forward_seconds": forwards, "fit_seconds": fit_seconds}
