@@ -22,10 +22,11 @@ from pipeline.projection.basis import TapBasis
 
 
 def basis_bytes(basis: TapBasis, pilot: str) -> bytes:
-    metadata = {"energy": repr(basis.energy), "pilot_tokens": str(basis.pilot_tokens), "pilot": pilot,
-                "digest": basis.digest()}
+    """The file's bytes, the same for the same basis: the metadata is one JSON string with sorted
+    keys (safetensors writes a metadata map of several keys in no fixed order)."""
+    record = {"energy": basis.energy, "pilot_tokens": basis.pilot_tokens, "pilot": pilot, "digest": basis.digest()}
     return save_safetensors({"components": basis.components.contiguous(), "scales": basis.scales.contiguous()},
-                            metadata=metadata)
+                            metadata={"tap_basis": json.dumps(record, sort_keys=True)})
 
 
 def parse_basis(data: bytes, where: str) -> tuple[TapBasis, dict]:
@@ -33,7 +34,7 @@ def parse_basis(data: bytes, where: str) -> tuple[TapBasis, dict]:
     try:
         tensors = load_safetensors(data)
         header_len = int.from_bytes(data[:8], "little")
-        metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+        metadata = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["tap_basis"])
         basis = TapBasis(components=tensors["components"].float(), scales=tensors["scales"].float(),
                          energy=float(metadata["energy"]), pilot_tokens=int(metadata["pilot_tokens"]))
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: safetensors, json and key errors
