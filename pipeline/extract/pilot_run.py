@@ -70,8 +70,10 @@ def forward_pilot_moment(model, taps: list[int], width: int, samples, batch_toke
     return moment
 
 
-def projection_basis(cfg, *, location, layout, model, taps, inputs, progress=None) -> tuple[TapBasis, ProjectionRecord, dict]:
-    """(the cache's basis, its record for the identity, what was done: fitted or read, seconds)."""
+def projection_basis(cfg, *, location, layout, model, taps, inputs,
+                     progress=None) -> tuple[TapBasis, ProjectionRecord, dict]:
+    """(the cache's basis, its record for the identity, what was done: fitted or read, seconds).
+    A basis the cache holds already is used as it is, whatever --pilot-tokens says now."""
     start = time.perf_counter()
     world = layout.world_size
     stored = decided_on_rank0(lambda: read_basis(location) is not None, rank=layout.rank, world=world,
@@ -81,9 +83,8 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs, progress=Non
         if layout.dp_rank == 0:
             samples = pilot_samples(cfg, inputs.paths, inputs.masker, inputs.facts, inputs.dataset["index"],
                                     inputs.dataset["num_rows"])
-            moment = forward_pilot_moment(model, taps, len(taps) * inputs.facts.hidden_size, samples, cfg.batch_tokens,
-                                  accumulate=layout.rank == 0,
-                                  progress=progress)
+            moment = forward_pilot_moment(model, taps, len(taps) * inputs.facts.hidden_size, samples,
+                                          cfg.batch_tokens, accumulate=layout.rank == 0, progress=progress)
         else:
             moment = None
 
