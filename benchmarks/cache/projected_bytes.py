@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--span", type=int, default=6000,
                         help="rows are added until the data's distinct prefixes reach this (more than the largest R)")
     parser.add_argument("--ranks", default="5120,2560", help="comma-separated R of the projected runs")
-    parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--num-shards", type=int, default=1, help="shards of every cache")
     parser.add_argument("--threads", default="2",
                         help="`pipeline --threads` of every run (fixed, so the time ratios compare like with like)")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
