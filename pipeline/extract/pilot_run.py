@@ -24,7 +24,7 @@ from pipeline.distributed import broadcast_from_rank0, decided_on_rank0
 from pipeline.errors import PipelineError
 from pipeline.projection.basis import SecondMoment, TapBasis, fit_basis
 from pipeline.projection.basis_file import read_basis, store_basis
-from pipeline.target_model.capture import tapped_layers
+from pipeline.target_model.capture import right_padded, tapped_layers
 
 
 def pilot_description(tokens: int) -> str:
@@ -49,24 +49,20 @@ def pilot_samples(cfg, paths, masker, facts, index, num_rows: int) -> list[tuple
 
 @torch.no_grad()
 def forward_pilot_moment(model, taps: list[int], width: int, samples, batch_tokens: int, *, accumulate: bool,
-                 progress=None) -> SecondMoment:
-    """Run the pilot's samples through the target (taps only) and sum their second moment."""
+                         progress=None) -> SecondMoment:
+    """Run the pilot's samples through the target (taps only) and sum their second moment, one
+    addition a batch (its real tokens gathered on the device: no host copy a sample)."""
     device = next(model.parameters()).device
     moment = SecondMoment(width, device=device)
-    pad = 0
     for batch in length_batches([(sid, ids, None) for sid, ids in samples], batch_tokens):
-        width = max(len(ids) for _, ids, _ in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        for row, (_, sample, _) in enumerate(batch):
-            ids[row, :len(sample)] = torch.tensor(sample)
+        tokens = [ids for _, ids, _ in batch]
         with tapped_layers(model, taps) as captured:
-            model.model(input_ids=ids.to(device), use_cache=False)
-        stacked = captured.stacked()
+            model.model(input_ids=right_padded(tokens, 0).to(device), use_cache=False)
         if accumulate:
-            for row, (_, sample, _) in enumerate(batch):
-                moment.add(stacked[row, :len(sample)].reshape(len(sample), -1).float())
+            stacked = captured.stacked()
+            moment.add(torch.cat([stacked[row, :len(ids)] for row, ids in enumerate(tokens)]).reshape(-1, width).float())
         if progress is not None:
-            progress(sum(len(s) for _, s, _ in batch))
+            progress(sum(len(ids) for ids in tokens))
     return moment
 
 

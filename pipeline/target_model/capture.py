@@ -33,6 +33,15 @@ class Taps:
         return torch.stack([self.outputs[t] for t in self.taps], dim=2)
 
 
+def right_padded(batch: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Token ids [len(batch), longest], each sample right-padded with `pad_id` (the target is causal,
+    so real positions never see the padding)."""
+    ids = torch.full((len(batch), max(len(sample) for sample in batch)), pad_id, dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids[row, :len(sample)] = torch.tensor(sample)
+    return ids
+
+
 @contextlib.contextmanager
 def tapped_layers(model, taps: list[int], enabled: bool = True):
     """Keep the outputs of the tapped decoder layers during a forward, and nothing else (forward
@@ -68,11 +77,7 @@ class Capture:
         encoding) and the target's predictions under their cache array names (the schema's
         hard- and soft-label arrays); pipeline.cache.encoding.encode_rows casts them to the stored
         dtypes and refuses a sample that lacks an array the schema declares."""
-        width = max(len(ids) for ids in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        for row, sample in enumerate(batch):
-            ids[row, :len(sample)] = torch.tensor(sample)
-        ids = ids.to(self.device)
+        ids = right_padded(batch, self.pad_id).to(self.device)
 
         with tapped_layers(self.model, self.taps) as taps:
             last = self.model.model(input_ids=ids, use_cache=False).last_hidden_state
