@@ -38,7 +38,9 @@ def torch_reference(name: str):
     """transformers' torch implementation of a qwen3_5 op, whatever the module binds it to."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return inspect.unwrap(getattr(modeling_qwen3_5, name))
+    from pipeline.target_model.internals.versions import op_function
+
+    return inspect.unwrap(op_function(getattr(modeling_qwen3_5, name)))
 
 
 def _gated_delta_inputs(shape: dict, device, dtype, seed: int) -> dict:

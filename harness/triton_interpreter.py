@@ -3,6 +3,7 @@ Triton kernels run on a CPU under Triton's interpreter (TRITON_INTERPRET=1), so 
 (tests/kernels/, benchmarks/kernels/) can compare them with transformers' torch functions on a
 machine without a GPU. Written against triton 3.7.1 (torch 2.13's pin; the `kernels` extra pins
 it): `install` refuses any other version, since both patches reach into the runtime's internals.
+A third patch (c) lists the CPU among the devices transformers (5.25 on) lets fla run on.
 
 What the interpreter is not: it runs each program of the grid in numpy, one after another, so it
 says nothing about speed, and its bf16 arithmetic is wrong (it multiplies the raw bits), so the tier
@@ -26,7 +27,7 @@ _installed = False
 
 
 def install() -> None:
-    """Apply both patches (once). Refuses without TRITON_INTERPRET=1, with another triton, or after
+    """Apply the patches (once). Refuses without TRITON_INTERPRET=1, with another triton, or after
     fla was imported."""
     global _installed
     if _installed:
@@ -43,7 +44,23 @@ def install() -> None:
                            "install the `kernels` extra (pyproject.toml), or port harness/triton_interpreter.py")
     _autotuner_measures_nothing()
     _loop_variables_are_tensors()
+    _transformers_runs_fla_on_the_cpu()
     _installed = True
+
+
+def _transformers_runs_fla_on_the_cpu() -> None:
+    """Patch (c), transformers 5.25 on: the qwen3_5 ops' binding runs the torch function for inputs on
+    a device the bound package is not listed for (fla: cuda, xpu, mlu, npu), so on this CPU fla would
+    be bound and never called. Under the interpreter fla does run on the CPU: list it there. The
+    binding reads the table when modeling_qwen3_5 is imported, so this goes first. Releases before
+    5.25 have no table and call what they bound on any device."""
+    if "transformers.models.qwen3_5.modeling_qwen3_5" in sys.modules:
+        raise RuntimeError("transformers' qwen3_5 modeling was imported before harness.triton_interpreter.install()")
+    from transformers.integrations import hub_kernels
+
+    table = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    if table is not None and "fla" in table and "cpu" not in table["fla"]:
+        table["fla"] = (*table["fla"], "cpu")
 
 
 def _autotuner_measures_nothing() -> None:

@@ -71,7 +71,10 @@ def target(embedded):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(embedded.TARGET_DIR, local_files_only=True, dtype=torch.float32).eval()
+    # use_kernels=False: transformers 5.25 would otherwise kernelize from the Hub at load (or, without
+    # the `kernels` package, refuse to load), as pipeline/target_model/internals/versions.py says.
+    return AutoModelForCausalLM.from_pretrained(embedded.TARGET_DIR, local_files_only=True, dtype=torch.float32,
+                                                use_kernels=False).eval()
 
 
 def _jsonl(path) -> list[dict]:

@@ -84,7 +84,7 @@ def bare_forward(target: Path, rows: list[list[int]], batch_tokens: int, num_sha
     # The device and dtype extract picks by default: bf16 on a GPU, float32 on the CPU.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, use_kernels=False).to(device).eval()
     batches = extract_batches(rows, num_shards, batch_tokens)
     times, tokens = [], 0
     start = time.perf_counter()

@@ -148,7 +148,7 @@ def compare_caches(tp1: str, tp8: str, target: Path) -> dict:
 
     from pipeline.cache.reader import CacheReader
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16, use_kernels=False).eval()
     readers = {"tp1": CacheReader(tp1), "tp8": CacheReader(tp8)}
     taps = readers["tp1"].manifest.identity.capture.target_layer_ids
     out = {key: {"tap_rel_err": [0.0] * len(taps), "argmax_agree": [], "argmax_shortfall": 0.0, "topk_abs_err": 0.0}
@@ -204,7 +204,7 @@ def export_check(drafter: Path) -> dict:
     import torch
     sys.path.insert(0, src)
     cls = importlib.import_module("dflash.model").DFlashDraftModel
-    _, info = cls.from_pretrained(drafter, output_loading_info=True, dtype=torch.bfloat16)
+    _, info = cls.from_pretrained(drafter, output_loading_info=True, dtype=torch.bfloat16, use_kernels=False)
     result["reference_class"] = {k: list(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     return result
 

@@ -8,7 +8,8 @@
 - capture.py: one forward that returns the tapped hidden states and the target's predictions;
 - live.py: the target beside a drafter during speculative decoding (its caches, verification);
 - tensor_parallel.py: the tensor-parallel plan;
-- internals.py, tree_internals.py: every use of transformers' internals.
+- internals/: every use of transformers' internals (tree.py: the tree-verification patches;
+  versions.py: one adapter per change between the supported transformers releases).
 
 The names most commands need are importable from the package itself.
 """

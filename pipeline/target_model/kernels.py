@@ -11,7 +11,8 @@ from pipeline.target_model.internals import bound_kernels, modeling_module_of
 
 def kernel_record(model, counts: dict[str, int]) -> dict:
     """Per op: what was bound and how often it ran; plus a one-word path for quick comparison."""
-    bound = bound_kernels(modeling_module_of(model))
+    parameter = next(iter(model.parameters()), None)
+    bound = bound_kernels(modeling_module_of(model), None if parameter is None else parameter.device.type)
     ops = {op: {**info, "calls": counts.get(op, 0)} for op, info in bound.items()}
     called = sorted({info["kind"] for info in ops.values() if info["calls"]})
     linear = "linear_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or [])

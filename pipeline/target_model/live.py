@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.target_model import internals, tree_internals
+from pipeline.target_model import internals
+from pipeline.target_model.internals import tree as tree_internals
 from pipeline.target_model.capture import tapped_layers
 
 
@@ -58,11 +59,11 @@ class LiveTarget:
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1).to(self.device)
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         with self.tapped(with_hidden) as taps:
-            out = self.model(input_ids=ids, position_ids=positions, cache=state, use_cache=True,
-                             logits_to_keep=1 if last_only else 0)
+            out, state = internals.forward_with_cache(self.model, state, input_ids=ids, position_ids=positions, use_cache=True,
+                                                      logits_to_keep=1 if last_only else 0)
         self.passes += 1
         self.tokens += ids.shape[1]
-        return Step(out.logits[0].float(), taps.stacked()[0] if with_hidden else None, out.cache)
+        return Step(out.logits[0].float(), taps.stacked()[0] if with_hidden else None, state)
 
     def tapped(self, enabled: bool = True):
         """The tapped layers' outputs during a forward (pipeline/target_model/capture.py `tapped_layers`)."""
@@ -87,11 +88,12 @@ class LiveTarget:
         internals.start_recording(recording)
         positions = torch.arange(start, start + rows.shape[1], device=self.device)[None].expand(rows.shape[0], -1)
         with tree_internals.recording_states() as states, self.tapped() as taps:
-            out = self.model(input_ids=rows, position_ids=positions, cache=recording, use_cache=True)
+            out, recording = internals.forward_with_cache(self.model, recording, input_ids=rows, position_ids=positions,
+                                                          use_cache=True)
         self.passes += 1
         self.tokens += rows.numel()
         hidden = taps.stacked()   # [R, L, n, H]
-        return Verified(Step(out.logits.float(), hidden, out.cache), rows.shape[1], states)
+        return Verified(Step(out.logits.float(), hidden, recording), rows.shape[1], states)
 
     @staticmethod
     def commit(verified: Verified, keep: int, row: int | None = None):
@@ -140,12 +142,12 @@ class LiveTarget:
         positions = (torch.tensor(rows.starts)[:, None] + depth).to(self.device)
         internals.start_recording(rows.state)   # the conv inputs of every tree token stay until commit_paths
         with tree_internals.tree_rules(parents) as inputs, self.tapped() as taps:
-            out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True,
-                             attention_mask=internals.attention_masks(self.model, visible))
+            out, state = internals.forward_with_cache(self.model, rows.state, input_ids=ids, position_ids=positions,
+                                                      use_cache=True, attention_mask=internals.attention_masks(self.model, visible))
         self.passes += 1
         self.tokens += count * n
         hidden = taps.stacked()
-        return TreeVerified(Step(out.logits.float(), hidden, out.cache), n, inputs, rows)
+        return TreeVerified(Step(out.logits.float(), hidden, state), n, inputs, rows)
 
     @staticmethod
     def commit_path(verified: TreeVerified, path: list[int]):
@@ -184,10 +186,11 @@ class LiveTarget:
         if rows.valid is not None:
             valid = torch.cat([rows.valid, torch.ones(len(tokens), 1, dtype=torch.bool, device=rows.valid.device)], dim=1)
             mask = internals.attention_masks(self.model, valid[:, None, None, :].to(self.device))
-        out = self.model(input_ids=ids, position_ids=positions, cache=rows.state, use_cache=True, attention_mask=mask)
+        out, state = internals.forward_with_cache(self.model, rows.state, input_ids=ids, position_ids=positions, use_cache=True,
+                                                  attention_mask=mask)
         self.passes += 1
         self.tokens += len(tokens)
-        return out.logits[:, -1].float(), Rows(out.cache, valid, [s + 1 for s in rows.starts])
+        return out.logits[:, -1].float(), Rows(state, valid, [s + 1 for s in rows.starts])
 
     @staticmethod
     def keep_rows(rows: Rows, keep: list[int]) -> Rows:

@@ -40,11 +40,14 @@ def load_target(path: Path, *, dtype=None, **kwargs):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pipeline.target_model.internals import LOAD_WITHOUT_HUB_KERNELS
+
     _quiet_transformers()
     if not list(path.glob("*.safetensors")) + list(path.glob("*.bin")):
         raise PipelineError(f"{path}: no weight files (*.safetensors) in the target directory")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32,
+                                                     **LOAD_WITHOUT_HUB_KERNELS, **kwargs)
     except OSError as e:
         raise PipelineError(f"{path}: cannot load the target ({str(e).splitlines()[0]})") from None
     return model.eval()

@@ -186,7 +186,7 @@ def build(out: Path, *, seed: int, num_steps: int, dataset_only: bool = False, s
         source = Path(source or out)
         previous = json.loads((source / "build.json").read_text())
         tokenizer = AutoTokenizer.from_pretrained(source / "target")
-        model = Qwen3_5ForCausalLM.from_pretrained(source / "target", dtype=torch.float32).eval()
+        model = Qwen3_5ForCausalLM.from_pretrained(source / "target", dtype=torch.float32, use_kernels=False).eval()
         seed, train_stats, accuracy = previous["seed"], previous["train"], previous["heldout_accuracy"]
         shutil.copytree(source / "target", scratch / "target")
         t_tok = t_train = t_eval = time.perf_counter()

@@ -224,7 +224,7 @@ def test_prefill_computes_one_row_of_logits(real):
     from pipeline.eval.speculative_decoding import greedy
     from pipeline.target_model.live import LiveTarget
 
-    model = AutoModelForCausalLM.from_pretrained(real["target"], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(real["target"], dtype=torch.float32, use_kernels=False).eval()
     live = LiveTarget(model, [1, 3, 5])
     prompts = [list(range(1000, 1300)), list(range(2000, 2100))]
     rows = []

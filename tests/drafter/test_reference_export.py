@@ -179,7 +179,7 @@ def test_reference_class_loads_the_export_strictly_and_drafts_the_same_tokens(tm
     AttentionInterface.register("serving_engine_rule", engine_rule_attention)
     ours = drafter()
     export_drafter(ours, tmp_path / "d")
-    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule",
+    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule", use_kernels=False,
                                        output_loading_info=True, dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     theirs.eval()
@@ -217,7 +217,7 @@ def test_reference_class_drafts_from_the_full_taps_what_a_drafter_trained_on_a_p
     basis = fit_basis(moment, 40)
     ours = drafter(tap_projection=40)
     export_drafter(ours, tmp_path / "d", basis=basis)
-    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule",
+    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule", use_kernels=False,
                                        output_loading_info=True, dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     theirs.eval()

@@ -18,7 +18,8 @@ from pipeline.target_model.live import LiveTarget
 @pytest.fixture(scope="module")
 def twins(embedded, tokenizer):
     """(live target, prompt ids, greedy tokens, position, the greedy token there, its twin)."""
-    model = AutoModelForCausalLM.from_pretrained(embedded.TARGET_DIR, local_files_only=True, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(embedded.TARGET_DIR, local_files_only=True, dtype=torch.float32,
+                                                 use_kernels=False).eval()
     prompt = read_prompts(embedded.HELDOUT_DATA, tokenizer, 1)[0]["ids"]
     live = LiveTarget(model, [1])
     before = greedy(live, prompt, max_new=6, eos=set()).tokens

@@ -133,3 +133,40 @@ def test_mixed_cache_verify_reports_it(mixed):
     provenance = next(c for c in json.loads(result.stdout)["checks"] if c["check"] == "provenance")
     assert provenance["status"] == "fail" and "MIXED" in provenance["summary"]
     assert provenance["evidence"]["kernel_paths"] == {"fla+torch": 1, "torch": 1}
+
+
+def test_provenance_says_torch_where_transformers_runs_torch():
+    """transformers 5.25 on keeps fla bound but runs its torch function for inputs on a device fla
+    is not listed for (the CPU, outside this tier's patch (c)): provenance must then say torch,
+    and fla where the device is listed. The op is bound by transformers' own decorator, around a
+    torch function that counts its calls, so what ran is observed, not inferred."""
+    import functools
+    import types
+
+    from transformers.integrations import hub_kernels, use_kernel_func_from_hub_with_fallback
+
+    from harness.kernel_ops import SHAPE, _gated_delta_inputs, torch_reference
+    from pipeline.target_model.internals import bound_kernels
+
+    table = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    if table is None:
+        pytest.skip("this transformers runs the bound package on every device (before 5.25)")
+    reference, calls = torch_reference("torch_chunk_gated_delta_rule"), []
+
+    @functools.wraps(reference)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reference(*args, **kwargs)
+
+    listed = table["fla"]
+    table["fla"] = tuple(d for d in listed if d != "cpu")   # as transformers ships it
+    try:
+        wrapper = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(counted)
+    finally:
+        table["fla"] = listed
+    module = types.SimpleNamespace(torch_chunk_gated_delta_rule=wrapper)
+    assert bound_kernels(module, "cpu")["chunk_gated_delta_rule"]["kind"] == "torch"
+    assert bound_kernels(module, "cuda")["chunk_gated_delta_rule"]["kind"] == "fla"
+    x = _gated_delta_inputs(SHAPE, "cpu", torch.float32, 0)
+    wrapper(x["query"], x["key"], x["value"], g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=True)
+    assert calls == [1]   # the torch function ran on the CPU, as provenance says

@@ -12,8 +12,10 @@ beyond `from_pretrained`, a plain forward and the public config/tokenizer classe
   (the embedded tokenizer).
 
 The tree-verification versions of the linear-attention ops, which patch the same modeling
-module, are in tree_internals.py. tests/target_model/test_transformers_internals.py checks each one by name, so an upgrade that moves one fails
-there, naming it, instead of deep inside extract or eval.
+module, are in tree.py; what differs between the supported transformers releases is in
+versions.py, one adapter per change. tests/target_model/test_transformers_internals.py checks each
+one by name, so an upgrade that moves one fails there, naming it, instead of deep inside extract or
+eval.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ import inspect
 import sys
 
 import torch
+
+from pipeline.target_model.internals import versions
+from pipeline.target_model.internals.versions import LOAD_WITHOUT_HUB_KERNELS, forward_with_cache
+
+__all__ = ["LINEAR_ATTENTION_OPS", "LOAD_WITHOUT_HUB_KERNELS", "KernelCallCounter", "attention_masks", "bound_kernels",
+           "distributed_config", "forward_with_cache", "is_linear_attention", "keep_prefix", "keep_rows",
+           "map_state_tensors", "modeling_module_of", "qwen3_5_pretokenizer", "repeat_state", "select_row",
+           "stack_rows", "start_recording", "takes_mask", "torch_fallback"]
 
 
 def _qwen3_5_modeling():
@@ -49,15 +59,6 @@ LINEAR_ATTENTION_OPS = {
 }
 
 
-def _closure_value(fn, name: str):
-    while fn is not None:
-        code = getattr(fn, "__code__", None)
-        if code is not None and name in code.co_freevars and fn.__closure__:
-            return fn.__closure__[code.co_freevars.index(name)].cell_contents
-        fn = getattr(fn, "__wrapped__", None)
-    return None
-
-
 def _kind(impl) -> str:
     module = getattr(impl, "__module__", "") or ""
     if module.startswith("fla"):
@@ -69,20 +70,27 @@ def _kind(impl) -> str:
     return "torch"
 
 
-def bound_kernels(modeling_module) -> dict:
+def bound_kernels(modeling_module, device_type: str | None = None) -> dict:
     """{op: {kind, implementation}}. The wrapper copies the torch function's name onto itself, so
     only its closure tells what it dispatches to: without that closure (transformers renamed its
-    internals, or stopped wrapping) the kind is "unknown", never a guess from the name."""
+    internals, or stopped wrapping) the kind is "unknown", never a guess from the name. Given the
+    device the model runs on, a package bound for an op but not run there (transformers falls
+    back to torch by device) is reported as torch, with what was bound."""
     out = {}
     for attr, op in LINEAR_ATTENTION_OPS.items():
         fn = getattr(modeling_module, attr, None)
         if fn is None:
             continue
-        impl = _closure_value(getattr(fn, "_counted_original", fn), "implementation")
+        wrapper = versions.op_function(getattr(fn, "_counted_original", fn))
+        impl = versions.closure_value(wrapper, "implementation")
         if impl is None:
             out[op] = {"kind": "unknown", "implementation": f"undetermined ({attr} has no 'implementation' closure)"}
             continue
-        out[op] = {"kind": _kind(impl), "implementation": f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"}
+        name = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"
+        if _kind(impl) != "torch" and not versions.runs_bound_kernel_on(wrapper, device_type):
+            out[op] = {"kind": "torch", "implementation": f"{name} bound, torch on {device_type}"}
+            continue
+        out[op] = {"kind": _kind(impl), "implementation": name}
     return out
 
 
@@ -101,7 +109,7 @@ class KernelCallCounter:
                 continue
             self._saved[attr] = original
 
-            @functools.wraps(original)
+            @functools.wraps(versions.op_function(original))
             def counted(*args, __op=op, __fn=original, **kwargs):
                 self.counts[__op] += 1
                 return __fn(*args, **kwargs)
@@ -126,7 +134,7 @@ def torch_fallback(model):
         fn = getattr(module, attr, None)
         if fn is not None:
             saved[attr] = fn
-            setattr(module, attr, inspect.unwrap(fn))
+            setattr(module, attr, inspect.unwrap(versions.op_function(fn)))
     try:
         yield
     finally:
@@ -142,19 +150,22 @@ def is_linear_attention(layer) -> bool:
 
 def start_recording(state) -> None:
     """Keep the conv inputs of every position fed from now on (until `keep_prefix`/`keep_path`)."""
-    state.activate_past_recording()
+    versions.start_recording(state)
 
 
 def keep_prefix(state, length: int, keep: int, per_position: list[list[torch.Tensor]]) -> None:
     """Cut a recorded pass of `length` tokens back to its first `keep`: keys/values and conv
     inputs cropped, each linear-attention layer's recurrent state set to the one after the last
     kept token (`per_position`: per linear-attention layer, the state after each token)."""
-    state.crop(-(length - keep))
     linear = [layer for layer in state.layers if is_linear_attention(layer)]
     if keep < length:  # all kept: the pass's recurrent states are already the ones
         if len(linear) != len(per_position):
             raise RuntimeError(f"recorded {len(per_position)} gated delta rule calls for {len(linear)} "
                                "linear-attention layers (transformers' qwen3_5 forward changed?)")
+        for layer, states in zip(linear, per_position):
+            versions.history_for_crop(layer, length - keep, states[keep - 1])
+    state.crop(-(length - keep))
+    if keep < length:
         for layer, states in zip(linear, per_position):
             layer.recurrent_states[0] = states[keep - 1]
     for layer in linear:
@@ -251,9 +262,7 @@ def takes_mask(model) -> bool:
 # ---------------------------------------------------------------- loading and the tokenizer
 
 def distributed_config(tp: int, dp: int, plan):
-    from transformers.distributed import DistributedConfig
-
-    return DistributedConfig(tp_size=tp, dp_replicate_size=dp, tp_plan=plan)
+    return versions.distributed_config(tp, dp, plan)
 
 
 def qwen3_5_pretokenizer():
