@@ -16,9 +16,11 @@ ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 def attention_plan(num_key_value_heads: int, tp: int) -> tuple[dict[str, str], str]:
     """(plan overrides, one-line description for the manifest)."""
+    from pipeline.target_model.internals import replicated_style
+
     if num_key_value_heads % tp == 0:
         return {}, f"default (attention sharded by head: {num_key_value_heads} KV heads / tp {tp})"
-    overrides = {f"model.layers.*.self_attn.{part}": "replicate" for part in ATTENTION_PARTS}
+    overrides = {f"model.layers.*.self_attn.{part}": replicated_style() for part in ATTENTION_PARTS}
     return overrides, f"self_attn replicated ({num_key_value_heads} KV heads do not divide by tp {tp})"
 
 

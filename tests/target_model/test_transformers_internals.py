@@ -166,3 +166,12 @@ def test_hidden_states_are_embedding_then_each_decoder_layer(target):
     assert len(out.hidden_states) == target.config.num_hidden_layers + 1, fail(
         "output_hidden_states' layout (embedding + one per layer)", "pipeline/target_model/capture.py, pipeline/target_model/taps.py",
         len(out.hidden_states))
+
+
+def test_a_tensor_parallel_style_keeps_attention_whole():
+    """Tensor-parallel extract replicates self_attn when the KV heads do not divide by tp: "replicate"
+    from 5.21, "replicated_with_grad_allreduce" before (the same at inference)."""
+    from pipeline.target_model.internals import replicated_style
+
+    assert replicated_style() in ("replicate", "replicated_with_grad_allreduce"), fail(
+        "a tensor-parallel style that keeps a layer whole", "pipeline/target_model/tensor_parallel.py", replicated_style())

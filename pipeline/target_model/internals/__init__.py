@@ -29,11 +29,11 @@ import sys
 import torch
 
 from pipeline.target_model.internals import versions
-from pipeline.target_model.internals.versions import LOAD_WITHOUT_HUB_KERNELS, forward_with_cache
+from pipeline.target_model.internals.versions import LOAD_WITHOUT_HUB_KERNELS, forward_with_cache, replicated_style
 
 __all__ = ["LINEAR_ATTENTION_OPS", "LOAD_WITHOUT_HUB_KERNELS", "KernelCallCounter", "attention_masks", "bound_kernels",
            "distributed_config", "forward_with_cache", "is_linear_attention", "keep_prefix", "keep_rows",
-           "map_state_tensors", "modeling_module_of", "qwen3_5_pretokenizer", "repeat_state", "select_row",
+           "map_state_tensors", "modeling_module_of", "qwen3_5_pretokenizer", "repeat_state", "replicated_style", "select_row",
            "stack_rows", "start_recording", "takes_mask", "torch_fallback"]
 
 

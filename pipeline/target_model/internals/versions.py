@@ -71,6 +71,28 @@ def distributed_config(tp: int, dp: int, plan):
     return DistributedConfig(tp_size=tp, tp_plan=plan)
 
 
+# ------------------------------------------------ the tensor-parallel style that keeps a layer whole (5.21)
+# 5.21 registered "replicate" (every rank holds the whole parameter, inputs and outputs untouched).
+# Before it the style that does this at inference is "replicated_with_grad_allreduce" (the same,
+# plus a backward hook that all-reduces the gradient: extraction runs no backward). The registry
+# moved twice (integrations.tensor_parallel, distributed.tensor_parallel, distributed.parallel_utils).
+
+def replicated_style() -> str:
+    import importlib
+
+    for name in ("transformers.distributed.parallel_utils", "transformers.distributed.tensor_parallel",
+                 "transformers.integrations.tensor_parallel"):
+        try:
+            styles = importlib.import_module(name).ALL_PARALLEL_STYLES
+        except (ImportError, AttributeError):
+            continue
+        for style in ("replicate", "replicated_with_grad_allreduce"):
+            if style in styles:
+                return style
+    raise PipelineError("this transformers registers no tensor-parallel style that keeps a layer whole "
+                        "(replicate): an unsupported version (see pyproject's transformers range)")
+
+
 # ------------------------------------------------ the linear-attention cache records its own history (5.25)
 # 5.25's linear-attention cache layers can compute and keep the recurrent state after each of the
 # last N tokens themselves (`activate_past_recording(recurrent_states_to_keep=N)`; None, the
