@@ -2,7 +2,7 @@
 transformers binds each op at import time (hub kernels, then fla / causal_conv1d, then the torch
 reference) inside a wrapper closure. `bound_kernels` reads what was bound; `KernelCallCounter`
 counts what was actually called during a forward, by wrapping the module globals the layers call
-through (both in internals.py); `kernel_record` puts them together for the cache's records."""
+through (both in internals/); `kernel_record` puts them together for the cache's records."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ and last recurrent state. Tested against `verify_rows` over the tree's root-to-l
 
 The speculative decoder touches transformers' internals (the cache's layers and their states,
 the qwen3_5 modeling module's conv and gated delta rule functions, the attention mask the forward
-takes per layer kind) only through internals.py and tree_internals.py beside this module;
+takes per layer kind) only through the internals package (internals/, its tree.py);
 tests/target_model/test_transformers_internals.py names each one.
 """
 

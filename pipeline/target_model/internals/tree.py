@@ -1,5 +1,5 @@
 """The transformers internals that speculative decoding patches while it verifies (the other half
-of pipeline/target_model/internals.py, split by job): the qwen3_5 modeling module's causal conv and
+of pipeline/target_model/internals/__init__.py, split by job): the qwen3_5 modeling module's causal conv and
 gated delta rule, swapped for a tree version (`tree_rules`: row b of the batch is a token tree)
 or a recording version (`recording_states`: the recurrent state after every verified position),
 and the cache cut down to each row's accepted tree path (`keep_path`, `path_states`).
