@@ -5,8 +5,8 @@ an object's type), so a release that back- or forward-ports a change is handled 
 each change arrived in is in its comment; tests/target_model/test_transformers_internals.py
 checks that every one still finds one of the shapes it knows.
 
-Oldest supported: 5.15 (5.14's Gated DeltaNet calls its ops through no module-level binding wrapper,
-which kernel provenance and tree verification need). Newest: 5.25. Releases 5.18 to 5.22 are the
+Oldest supported: 5.15 (on 5.14 tree verification's patches of the Gated DeltaNet ops never reach
+the layers and kernel provenance finds no binding wrapper). Newest: 5.25. Releases 5.18 to 5.22 are the
 ones that install beside vLLM 0.34.
 """
 
