@@ -12,10 +12,9 @@ that cannot be imported, so the wrapper holds the torch function exactly as wher
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 from pipeline.target_model.internals import LINEAR_ATTENTION_OPS
-from pipeline.target_model.internals.versions import op_function
+from pipeline.target_model.internals.versions import torch_function
 
 _ABSENT_PACKAGE = "dflash_kernel_tier_no_such_package"   # importing it fails: transformers falls back to torch
 
@@ -31,7 +30,7 @@ def torch_bound():
         if bound is None:
             continue
         saved[attr] = bound
-        setattr(module, attr, use_kernel_func_from_hub_with_fallback(op, _ABSENT_PACKAGE)(inspect.unwrap(op_function(bound))))
+        setattr(module, attr, use_kernel_func_from_hub_with_fallback(op, _ABSENT_PACKAGE)(torch_function(bound)))
     try:
         yield
     finally:

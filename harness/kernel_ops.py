@@ -12,7 +12,6 @@ the interpreter compare the same numbers.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +37,9 @@ def torch_reference(name: str):
     """transformers' torch implementation of a qwen3_5 op, whatever the module binds it to."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from pipeline.target_model.internals.versions import op_function
+    from pipeline.target_model.internals.versions import torch_function
 
-    return inspect.unwrap(op_function(getattr(modeling_qwen3_5, name)))
+    return torch_function(getattr(modeling_qwen3_5, name))
 
 
 def _gated_delta_inputs(shape: dict, device, dtype, seed: int) -> dict:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import sys
 
 import torch
 
 from pipeline.target_model.internals import versions
-from pipeline.target_model.internals.versions import LOAD_WITHOUT_HUB_KERNELS, forward_with_cache, replicated_style
+from pipeline.target_model.internals.versions import (LOAD_WITHOUT_HUB_KERNELS, distributed_config, forward_with_cache,
+                                                      replicated_style, start_recording)
 
 __all__ = ["LINEAR_ATTENTION_OPS", "LOAD_WITHOUT_HUB_KERNELS", "KernelCallCounter", "attention_masks", "bound_kernels",
            "distributed_config", "forward_with_cache", "is_linear_attention", "keep_prefix", "keep_rows",
@@ -86,11 +86,10 @@ def bound_kernels(modeling_module, device_type: str | None = None) -> dict:
         if impl is None:
             out[op] = {"kind": "unknown", "implementation": f"undetermined ({attr} has no 'implementation' closure)"}
             continue
-        name = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"
-        if _kind(impl) != "torch" and not versions.runs_bound_kernel_on(wrapper, device_type):
-            out[op] = {"kind": "torch", "implementation": f"{name} bound, torch on {device_type}"}
-            continue
-        out[op] = {"kind": _kind(impl), "implementation": name}
+        kind, name = _kind(impl), f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"
+        if kind != "torch" and not versions.runs_bound_kernel_on(wrapper, device_type):
+            kind, name = "torch", f"{name} bound, torch on {device_type}"
+        out[op] = {"kind": kind, "implementation": name}
     return out
 
 
@@ -134,7 +133,7 @@ def torch_fallback(model):
         fn = getattr(module, attr, None)
         if fn is not None:
             saved[attr] = fn
-            setattr(module, attr, inspect.unwrap(versions.op_function(fn)))
+            setattr(module, attr, versions.torch_function(fn))
     try:
         yield
     finally:
@@ -146,11 +145,6 @@ def torch_fallback(model):
 
 def is_linear_attention(layer) -> bool:
     return hasattr(layer, "recurrent_states")
-
-
-def start_recording(state) -> None:
-    """Keep the conv inputs of every position fed from now on (until `keep_prefix`/`keep_path`)."""
-    versions.start_recording(state)
 
 
 def keep_prefix(state, length: int, keep: int, per_position: list[list[torch.Tensor]]) -> None:
@@ -260,10 +254,6 @@ def takes_mask(model) -> bool:
 
 
 # ---------------------------------------------------------------- loading and the tokenizer
-
-def distributed_config(tp: int, dp: int, plan):
-    return versions.distributed_config(tp, dp, plan)
-
 
 def qwen3_5_pretokenizer():
     """(the Qwen3.5 tokenizer's pre-tokenization regex, its tokenizer class)."""

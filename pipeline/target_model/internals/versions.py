@@ -101,14 +101,19 @@ def replicated_style() -> str:
 # per-token states itself (tree.recording_states, on every version), so it asks for none and, before
 # a crop, gives the layer a history whose entry crop reads is the state it keeps anyway.
 
+@functools.cache
+def _keeps_recurrent_states(layer_type) -> bool:
+    return "recurrent_states_to_keep" in inspect.signature(layer_type.activate_past_recording).parameters
+
+
 def _records_recurrent_states(state) -> bool:
-    for layer in state.layers:
-        if hasattr(layer, "recurrent_states"):
-            return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
-    return False
+    linear = next((layer for layer in state.layers if hasattr(layer, "recurrent_states")), None)
+    return linear is not None and _keeps_recurrent_states(type(linear))
 
 
 def start_recording(state) -> None:
+    """Keep the conv inputs of every position fed from now on (until `keep_prefix`/`keep_path`),
+    and no recurrent states beyond the last (the project records those itself)."""
     if _records_recurrent_states(state):
         state.activate_past_recording(recurrent_states_to_keep=0)
     else:
@@ -132,6 +137,12 @@ def op_function(op):
     if isinstance(op, torch.nn.Module):
         return closure_value(type(op).forward, "func") or op
     return op
+
+
+def torch_function(op):
+    """transformers' torch implementation behind a modeling module's op, whatever it is bound to:
+    the wrapper keeps it as `__wrapped__` (functools.wraps)."""
+    return inspect.unwrap(op_function(op))
 
 
 # ------------------------------------------------ the binding falls back to torch by device (5.25)
