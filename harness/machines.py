@@ -23,10 +23,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 from harness.built_once import built_once
 from harness.runs import REPO
+from harness.prerequisites import missing
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _NO_FLOCK_C = """#include <errno.h>
@@ -49,7 +49,7 @@ class Machine:
 def no_flock_library(tmp_path_factory) -> Path:
     """The preloadable library whose flock(2) fails with ENOLCK, built once a test run."""
     if shutil.which("cc") is None:
-        pytest.skip("needs a C compiler (cc) to build the no-flock test library")
+        missing("needs a C compiler (cc) to build the no-flock test library")
 
     def build(folder: Path) -> None:
         (folder / "no_flock.c").write_text(_NO_FLOCK_C)
@@ -60,10 +60,10 @@ def no_flock_library(tmp_path_factory) -> Path:
 
 
 def check_namespaces() -> None:
-    """Skip, saying why, where unprivileged namespaces are not allowed."""
+    """Skip (fail under CI), saying why, where unprivileged namespaces are not allowed."""
     probe = subprocess.run(["unshare", "-r", "-m", "-p", "-f", "-u", "--mount-proc", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"needs user, mount, pid and UTS namespaces (unshare): {probe.stderr.strip()}")
+        missing(f"needs user, mount, pid and UTS namespaces (unshare): {probe.stderr.strip()}")
 
 
 def command(argv: list[str], machine: Machine, folder: Path, library: Path | None = None) -> tuple[list[str], dict]:

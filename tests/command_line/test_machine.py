@@ -8,14 +8,14 @@ import os
 import re
 from pathlib import Path
 
-import pytest
 
 from pipeline.machine import BF16_FLAGS, describe_machine, machine_line, read_cpuinfo
+from harness.prerequisites import needs
 
 CPUINFO = Path("/proc/cpuinfo")
 
 
-@pytest.mark.skipif(not CPUINFO.is_file(), reason="no /proc/cpuinfo on this system")
+@needs(CPUINFO.is_file(), "no /proc/cpuinfo on this system")
 def test_the_machine_is_what_proc_cpuinfo_says():
     text = CPUINFO.read_text(errors="replace")
     models = re.findall(r"^model name\s*:\s*(.*?)\s*$", text, re.MULTILINE)

@@ -12,6 +12,7 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.threads import apply_threads, choose_threads, torch_default
+from harness.prerequisites import needs
 
 
 def test_an_explicit_count_and_bad_values():
@@ -38,8 +39,8 @@ def test_a_later_auto_starts_from_torchs_default_again(monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: there is nothing fewer to choose")
+@needs(os.path.exists("/proc/stat"), "needs /proc/stat (Linux)")
+@needs((os.cpu_count() or 1) >= 2, "one core: there is nothing fewer to choose")
 def test_auto_takes_fewer_threads_when_other_processes_fill_the_cores():
     """In a fresh interpreter without OMP_NUM_THREADS, as a user runs the CLI: torch's default is
     then every core (this test process may run with fewer: pytest-xdist's workers share them)."""

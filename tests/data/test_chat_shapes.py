@@ -26,14 +26,15 @@ from harness.caches import manifest_json
 from harness.chat_shapes import (END, MODES, QWEN_TOKENS, REASONING_SHAPES, SHAPES, TOOL_SHAPES, as_row, expected_outcome,
                                  oracle)
 from harness.runs import REPO, cli, write_rows
+from harness.prerequisites import needs
 from pipeline.cache.reader import CacheReader
 from pipeline.config import ExtractConfig
 from pipeline.errors import PipelineError
 from stages.extract.run import run_extract
 
 TEMPLATES = REPO.parent / "shared" / "fixtures" / "chat_templates"
-pytestmark = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"real chat templates not found at {TEMPLATES} "
-                                "(the project's shared fixtures folder); these tests need them")
+pytestmark = needs(TEMPLATES.is_dir(), f"real chat templates not found at {TEMPLATES} (the project's shared fixtures folder); "
+                   "these tests need them")
 
 def make_target(root: Path, template: str, variant: bool) -> Path:
     """The embedded target with a real Qwen template, and optionally the Qwen-like tokenizer."""

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.toy import chat, tasks
+from harness.prerequisites import missing
 
 REAL_TEMPLATE = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "chat_templates" / "qwen3.6.jinja"
 
@@ -89,7 +90,7 @@ def real_template() -> str:
     """The real Qwen3.6 template with its long tool-use instructions replaced by ours (the one
     declared difference)."""
     if not REAL_TEMPLATE.is_file():
-        pytest.skip(f"the real Qwen3.6 chat template is not at {REAL_TEMPLATE} (the project's shared fixtures)")
+        missing(f"the real Qwen3.6 chat template is not at {REAL_TEMPLATE} (the project's shared fixtures)")
     text = REAL_TEMPLATE.read_text()
     start = text.index("\\n\\nIf you choose to call a function")
     end = text.index("</IMPORTANT>", start) + len("</IMPORTANT>")

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from pipeline.errors import PipelineError
 from pipeline.target_model.loading import frozen_target_modules
+from harness.prerequisites import missing
 
 
 def _target(tmp_path: Path, *, tied: bool = False, dtype=torch.bfloat16) -> Path:
@@ -43,7 +44,7 @@ def _file_mappings(path: Path) -> list[tuple[int, int]]:
 
 def test_bf16_weights_are_the_librarys_and_mapped_from_the_file(tmp_path):
     if not Path("/proc/self/maps").is_file():
-        pytest.skip("no /proc/self/maps on this system: cannot tell a mapped tensor from a copy")
+        missing("no /proc/self/maps on this system: cannot tell a mapped tensor from a copy")
     target = _target(tmp_path)
     embed, head = frozen_target_modules(target, torch.bfloat16)
     assert torch.equal(embed.weight, _library(target, "model.embed_tokens.weight"))

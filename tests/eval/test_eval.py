@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from harness.runs import cli, cli_here, small_cache
+from harness.prerequisites import importable
 
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
@@ -438,7 +439,7 @@ def test_tree_verify_auto_follows_its_rule():
 def test_eval_figures_reach_the_training_runs_tracker(trained, tmp_path):
     """`eval --report-to tensorboard`: the taus land in the run's TensorBoard files as eval/... at
     the training's last step, read back with TensorBoard's own reader."""
-    pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
+    importable("tensorboard", "the test extra installs the trackers")
     import shutil
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

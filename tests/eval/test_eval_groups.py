@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from harness.runs import REPO, cli_here
+from harness.prerequisites import missing
 
 from pipeline.data.loss_mask import render
 from pipeline.errors import PipelineError
@@ -24,7 +25,7 @@ def qwen36():
 
     folder, template = FIXTURES / "tokenizers" / "qwen3.6", FIXTURES / "chat_templates" / "qwen3.6.jinja"
     if not folder.is_dir() or not template.is_file():
-        pytest.skip(f"the real Qwen3.6 tokenizer/template fixtures are not at {FIXTURES}")
+        missing(f"the real Qwen3.6 tokenizer/template fixtures are not at {FIXTURES}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = template.read_text()
     return tokenizer

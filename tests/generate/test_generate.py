@@ -15,6 +15,7 @@ import pytest
 from harness.caches import manifest_json
 from harness.ports import free_port
 from harness.runs import REPO, cli, cli_here, torchrun, write_rows
+from harness.prerequisites import importable, missing, needs
 
 from pipeline.errors import PipelineError
 from stages.generate.options import GenerateOptions
@@ -212,10 +213,10 @@ def _serve(port: int, target: Path) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def serving(embedded):
-    pytest.importorskip("fastapi", reason="transformers serve needs its serving extras: pip install -e '.[test]'")
-    pytest.importorskip("uvicorn", reason="transformers serve needs its serving extras: pip install -e '.[test]'")
+    importable("fastapi", "transformers serve needs its serving extras: pip install -e '.[test]'")
+    importable("uvicorn", "transformers serve needs its serving extras: pip install -e '.[test]'")
     if not (Path(sys.executable).parent / "transformers").is_file():
-        pytest.skip("the `transformers` command is not beside this Python")
+        missing("the `transformers` command is not beside this Python")
     return embedded.TARGET_DIR
 
 
@@ -303,8 +304,7 @@ TURNS_TO_SPLIT = {
 }
 
 
-@pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"real chat templates not found at {TEMPLATES} (the project's "
-                    "shared fixtures folder)")
+@needs(TEMPLATES.is_dir(), f"real chat templates not found at {TEMPLATES} (the project's shared fixtures folder)")
 @pytest.mark.parametrize("template, kwargs, supplied", [
     ("qwen3", {}, ""), ("qwen3.5", {}, "<think>\n"), ("qwen3.6", {}, "<think>\n"),
     ("qwen3.6", {"enable_thinking": False}, "<think>\n\n</think>\n\n")])

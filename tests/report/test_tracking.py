@@ -11,9 +11,10 @@ import os
 import struct
 
 import pytest
+from harness.prerequisites import importable
 from harness.runs import cli
 
-pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
+importable("tensorboard", "the test extra installs the trackers")
 
 STEPS, LOG_EVERY = 40, 2  # long enough for the live verdicts to run (a clean run: none fire)
 CHECKPOINT_EVERY = 10

@@ -13,12 +13,12 @@ from presets import load_preset
 from pipeline.target_model import read_target_facts
 from pipeline.target_model.taps import default_taps
 from pipeline.toy.random_target import QWEN3_6_27B_TEXT_CONFIG, build_flagship_target, flagship_config
+from harness.prerequisites import needs
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen3.6"
 TEMPLATE = FIXTURES / "chat_templates" / "qwen3.6.jinja"
-needs_fixtures = pytest.mark.skipif(not TOKENIZER.is_dir() or not TEMPLATE.is_file(),
-                                    reason=f"the shared Qwen3.6 tokenizer and template are not at {FIXTURES}")
+needs_fixtures = needs(TOKENIZER.is_dir() and TEMPLATE.is_file(), f"the shared Qwen3.6 tokenizer and template are not at {FIXTURES}")
 
 
 def test_the_preset_states_the_config_facts():

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from harness.loss_batches import B, V, batch, drafter
 from harness.draft_vocab import with_draft_vocab
 from harness.runs import REPO
+from harness.prerequisites import needs
 from pipeline.cache.reader import open_cache
 from pipeline.drafter.export import export_drafter, load_drafter
 from pipeline.training.batch import final_hidden, forward_logits
@@ -77,8 +78,7 @@ def test_ties_go_to_the_smaller_id_and_kept_tokens_count_first():
         choose(counts, 1, keep=[1, 5])
 
 
-@pytest.mark.skipif(not QWEN_TOKENIZER.is_dir(), reason=f"the real Qwen3.6 tokenizer is not at {QWEN_TOKENIZER} "
-                                                         "(the project's shared fixtures folder)")
+@needs(QWEN_TOKENIZER.is_dir(), f"the real Qwen3.6 tokenizer is not at {QWEN_TOKENIZER} (the project's shared fixtures folder)")
 def test_byte_fallbacks_and_reserved_tokens_of_the_real_tokenizer_are_kept():
     from transformers import AutoTokenizer
 

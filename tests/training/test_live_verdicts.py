@@ -9,6 +9,7 @@ import random
 
 import pytest
 from harness.runs import small_cache
+from harness.prerequisites import importable
 
 from pipeline.faults import LR_BLOWUP_STEP, PLANT_ENV
 from pipeline.records.train_log import LogLine
@@ -114,7 +115,7 @@ def planted_run(cache, out, plant, monkeypatch, **overrides) -> tuple[dict, list
 
 
 def test_random_labels_fire_labels_not_learnable_live(cache, tmp_path, monkeypatch):
-    pytest.importorskip("tensorboard", reason="the test extra installs the trackers")
+    importable("tensorboard", "the test extra installs the trackers")
     summary, warnings = planted_run(cache, tmp_path / "run", "random_labels", monkeypatch, report_to="tensorboard,mlflow")
     lines = [w for w in warnings if "labels_not_learnable" in w]
     assert len(lines) == 1 and summary["verdicts"][0] == lines[0], warnings
