@@ -1,38 +1,51 @@
 """The export with sliding-window layers (DESIGN 2, 8) as others read it: transformers' Qwen3Config,
-the z-lab reference class `DFlashDraftModel`, and the flagship preset against DESIGN 2's numbers.
+z-lab's reference class `DFlashDraftModel` with its own attention, and the flagship preset against
+DESIGN 2's numbers.
 
-The reference class is not vendored: the test imports it from a checkout of github.com/z-lab/dflash
-named by DFLASH_REFERENCE_SRC (or an installed `dflash` package) and skips without one. It loads
-our export strictly; for its attention it is given the serving engines' rule (a sliding layer:
-causal with the window; a full layer: bidirectional), written here from that rule, because the
-class itself applies `sliding_window` only under flash-attention (and not causally) and ignores it
-under SDPA. With that, its draft tokens must equal ours from `pipeline eval`'s drafting call."""
+The reference is the installed package `dflash==0.1.0` (CI installs it with --no-deps; without it
+a skip on a developer's machine, a failure under CI=true: harness/dflash_reference.py), never a copy.
+Its attention is SDPA under its own mask (`dflash.model._attention_mask`): a `sliding_attention`
+layer is causal with the window `sliding_window`, within the block too; a `full_attention` layer
+sees the whole context and the whole block. That is the serving engines' rule, which ours follows
+(pipeline/drafter/model.py's docstring), so the reference's forward through the frozen lm_head
+must give our draft logits, with a context shorter and longer than the window, for a drafter laid
+out as the flagship is (4 sliding layers, then a full one). A config key `is_causal` (the
+reference) or `dflash_config.causal` (vLLM) would override every layer's kind, the full layer's
+too: the export writes neither.
+
+Decoding (tests/drafter/test_reference_decoding.py): the reference's own `spec_generate` on the
+embedded target against our eval's block decoding."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 
 import pytest
 import torch
 
+from harness.dflash_reference import needs_reference, reference_module
 from pipeline.drafter.export import export_drafter, load_drafter, read_config
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.errors import PipelineError
 from pipeline.eval.speculative_decoding import draft_logits
 
 H, V, TAPS = 32, 64, 3
-KINDS = ["sliding_attention", "sliding_attention", "full_attention"]
+# The flagship's layout (DESIGN 2: 4 x sliding_attention, then full_attention) at a small width.
+KINDS = ["sliding_attention"] * 4 + ["full_attention"]
+WINDOW, BLOCK = 5, 6
 
 
-def drafter(window=5, block=6, seed=0, tap_projection=None):
+@pytest.fixture(scope="module")
+def reference():
+    return reference_module()
+
+
+def drafter(window=WINDOW, block=BLOCK, seed=0, tap_projection=None):
     torch.manual_seed(seed)
-    config = DrafterConfig(tap_projection=tap_projection, hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS), num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5], num_target_layers=8,
-                           mask_token_id=V - 1, block_size=block, rope_theta=50000.0, max_position_embeddings=4096,
-                           layer_types=KINDS, sliding_window=window)
+    config = DrafterConfig(tap_projection=tap_projection, hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS),
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5],
+                           num_target_layers=8, mask_token_id=V - 1, block_size=block, rope_theta=50000.0,
+                           max_position_embeddings=4096, layer_types=KINDS, sliding_window=window)
     head = torch.nn.Linear(H, V, bias=False)
     torch.nn.init.normal_(head.weight, std=1.0)
     model = DFlashDrafter(config, embed=torch.nn.Embedding(V, H), lm_head=head).eval()
@@ -41,16 +54,46 @@ def drafter(window=5, block=6, seed=0, tap_projection=None):
     return model
 
 
+def load_reference(reference, path):
+    """The reference class on an export, loaded strictly: every tensor used, none missing."""
+    theirs, info = reference.DFlashDraftModel.from_pretrained(path, use_kernels=False, output_loading_info=True,
+                                                              dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return theirs.eval()
+
+
+def reference_logits(theirs, ours, taps_TNH, anchor, anchor_pos):
+    """The reference's draft logits [B-1, V] for one block after the context: its forward (its own
+    attention, no mask given), then its `compute_logits` through the target's frozen lm_head."""
+    block = ours.config.block_size
+    ids = torch.full((1, block), ours.config.mask_token_id)
+    ids[0, 0] = anchor
+    with torch.no_grad():
+        final = theirs(position_ids=torch.arange(anchor_pos + block)[None], noise_embedding=ours._frozen["embed"](ids),
+                       target_hidden=taps_TNH.reshape(1, anchor_pos, -1))
+        return theirs.compute_logits(final, ours._frozen["lm_head"])[0, 1:]
+
+
+def with_config(path, out, **changes):
+    """A copy of the export at `path` in `out` with config.json's keys changed."""
+    out.mkdir()
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    (out / "config.json").write_text(json.dumps(raw))
+    (out / "model.safetensors").symlink_to(path / "model.safetensors")
+    return out
+
+
 def test_export_records_the_layer_kinds_as_qwen3config_reads_them(tmp_path):
     from transformers import Qwen3Config
 
     model = drafter()
     export_drafter(model, tmp_path / "d")
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert raw["layer_types"] == KINDS and raw["sliding_window"] == 5 and raw["use_sliding_window"] is True
+    assert raw["layer_types"] == KINDS and raw["sliding_window"] == WINDOW and raw["use_sliding_window"] is True
     assert raw["torch_dtype"] == "float32" and raw["rope_parameters"]["rope_theta"] == 50000.0
     theirs = Qwen3Config.from_pretrained(tmp_path / "d")
-    assert theirs.layer_types == KINDS and theirs.sliding_window == 5
+    assert theirs.layer_types == KINDS and theirs.sliding_window == WINDOW
     assert theirs.max_position_embeddings == 4096 and theirs.rope_parameters["rope_theta"] == 50000.0
     assert read_config(tmp_path / "d") == model.config
 
@@ -144,71 +187,38 @@ def test_flagship_preset_is_the_reference_geometry():
     assert (target["hidden_size"], target["vocab_size"]) == (5120, 248320)
 
 
-def reference_class():
-    src = os.environ.get("DFLASH_REFERENCE_SRC")
-    if src and src not in sys.path:
-        sys.path.insert(0, src)
-    try:
-        return importlib.import_module("dflash.model").DFlashDraftModel
-    except ImportError as e:
-        pytest.skip(f"the z-lab reference class is not importable ({e}); set DFLASH_REFERENCE_SRC to a checkout "
-                    "of github.com/z-lab/dflash to run this check")
+# Context lengths: shorter than the window, about the block plus the window, and well past both.
+CONTEXTS = [3, 9, 20]
 
 
-def engine_rule_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                          **kwargs):
-    """The serving engines' DFlash attention, from their rule: a sliding layer is causal with a
-    window (flash-attention window (W - 1, 0)); a full layer sees every key. Keys are [context ;
-    block] at positions 0..K-1 and the queries are the last positions."""
-    q_len, k_len = query.shape[2], key.shape[2]
-    group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    scores = (query @ key.transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
-    if sliding_window is not None:
-        q_pos = torch.arange(k_len - q_len, k_len)[:, None]
-        k_pos = torch.arange(k_len)[None, :]
-        scores = scores.masked_fill(~((k_pos <= q_pos) & (k_pos > q_pos - sliding_window)), float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
-
-
-@pytest.mark.parametrize("context_len", [3, 9, 20])
-def test_reference_class_loads_the_export_strictly_and_drafts_the_same_tokens(tmp_path, context_len):
-    from transformers import AttentionInterface
-
-    cls = reference_class()
-    AttentionInterface.register("serving_engine_rule", engine_rule_attention)
+@needs_reference
+@pytest.mark.parametrize("context_len", CONTEXTS)
+def test_reference_class_loads_the_export_strictly_and_drafts_the_same_tokens(reference, tmp_path, context_len):
+    """DESIGN 2, 8: the reference class loads our export strictly, reads each layer's kind from it
+    as we mean it (sliding: causal with the window; full: neither), and its forward with its own
+    attention gives our draft logits (from `pipeline eval`'s drafting call) and tokens."""
     ours = drafter()
     export_drafter(ours, tmp_path / "d")
-    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule", use_kernels=False,
-                                       output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    theirs.eval()
-
+    theirs = load_reference(reference, tmp_path / "d")
+    assert [layer.self_attn.is_causal for layer in theirs.layers] == [k == "sliding_attention" for k in KINDS]
+    assert [layer.self_attn.sliding_window for layer in theirs.layers] == [WINDOW if k == "sliding_attention" else None
+                                                                          for k in KINDS]
     torch.manual_seed(context_len)
     context = torch.randn(context_len, TAPS, H)
-    anchor, block = 7, ours.config.block_size
-    mine = draft_logits(ours, context, anchor, context_len)
-    ids = torch.full((1, block), ours.config.mask_token_id)
-    ids[0, 0] = anchor
-    with torch.no_grad():
-        final = theirs(position_ids=torch.arange(context_len + block)[None],
-                       noise_embedding=ours._frozen["embed"](ids),
-                       target_hidden=context.reshape(1, context_len, TAPS * H))
-        reference = ours._frozen["lm_head"](final)[0, 1:]
-    torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
-    assert mine.argmax(-1).tolist() == reference.argmax(-1).tolist()
+    mine = draft_logits(ours, context, 7, context_len)
+    theirs_logits = reference_logits(theirs, ours, context, 7, context_len)
+    torch.testing.assert_close(mine, theirs_logits, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == theirs_logits.argmax(-1).tolist()
 
 
+@needs_reference
 @pytest.mark.parametrize("context_len", [3, 20])
-def test_reference_class_drafts_from_the_full_taps_what_a_drafter_trained_on_a_projection_drafts(tmp_path, context_len):
+def test_reference_class_drafts_from_the_full_taps_what_a_drafter_trained_on_a_projection_drafts(reference, tmp_path,
+                                                                                                 context_len):
     """Issue 68: a drafter whose fc reads R projected values, exported with its basis folded into
     fc; the reference class, given the full taps, drafts what ours drafts from their projection."""
-    from transformers import AttentionInterface
-
     from pipeline.projection.basis import SecondMoment, fit_basis
 
-    cls = reference_class()
-    AttentionInterface.register("serving_engine_rule", engine_rule_attention)
     g = torch.Generator().manual_seed(3)
     pilot = torch.randn(400, TAPS * H, generator=g) @ (torch.randn(TAPS * H, TAPS * H, generator=g)
                                                        * torch.logspace(0, -2, TAPS * H)[:, None])
@@ -217,25 +227,48 @@ def test_reference_class_drafts_from_the_full_taps_what_a_drafter_trained_on_a_p
     basis = fit_basis(moment, 40)
     ours = drafter(tap_projection=40)
     export_drafter(ours, tmp_path / "d", basis=basis)
-    theirs, info = cls.from_pretrained(tmp_path / "d", attn_implementation="serving_engine_rule", use_kernels=False,
-                                       output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    theirs.eval()
+    theirs = load_reference(reference, tmp_path / "d")
     taps = pilot[:context_len].reshape(context_len, TAPS, H)
     mine = draft_logits(ours, basis.project_taps(taps), 7, context_len)      # fc' on [T, 1, R]
-    ids = torch.full((1, ours.config.block_size), ours.config.mask_token_id)
-    ids[0, 0] = 7
-    with torch.no_grad():
-        final = theirs(position_ids=torch.arange(context_len + ours.config.block_size)[None],
-                       noise_embedding=ours._frozen["embed"](ids), target_hidden=taps.reshape(1, context_len, TAPS * H))
-        reference = ours._frozen["lm_head"](final)[0, 1:]
-    torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
-    assert mine.argmax(-1).tolist() == reference.argmax(-1).tolist()
+    theirs_logits = reference_logits(theirs, ours, taps, 7, context_len)
+    torch.testing.assert_close(mine, theirs_logits, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == theirs_logits.argmax(-1).tolist()
 
 
-def test_the_window_binds_in_the_reference_comparison():
-    """The comparison above is not vacuous: with the window wide open, our drafts change."""
+@needs_reference
+def test_the_window_binds_in_the_reference_comparison(reference, tmp_path):
+    """The comparison above is not vacuous: with the window wide open our drafts change, and so do
+    the reference's on the same weights, away from ours."""
     torch.manual_seed(20)
     context = torch.randn(20, TAPS, H)
-    narrow, wide = drafter(window=5), drafter(window=10_000)
-    assert (draft_logits(narrow, context, 7, 20) - draft_logits(wide, context, 7, 20)).abs().max() > 1e-2
+    narrow, wide = drafter(window=WINDOW), drafter(window=10_000)
+    mine = draft_logits(narrow, context, 7, 20)
+    assert (mine - draft_logits(wide, context, 7, 20)).abs().max() > 1e-2
+    export_drafter(narrow, tmp_path / "d")
+    opened = load_reference(reference, with_config(tmp_path / "d", tmp_path / "wide", sliding_window=10_000))
+    assert (mine - reference_logits(opened, narrow, context, 7, 20)).abs().max() > 1e-2
+
+
+def test_the_export_writes_no_causality_override(tmp_path):
+    """Each layer's causality follows its kind only while config.json has neither `is_causal` (the
+    reference reads it for every layer) nor `dflash_config.causal` (vLLM's DFlash reads it for every
+    layer): the export writes neither, whatever the layer kinds."""
+    export_drafter(drafter(), tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert "is_causal" not in raw and "causal" not in raw["dflash_config"]
+
+
+@needs_reference
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_a_causality_override_would_move_the_reference_off_ours(reference, tmp_path, is_causal):
+    """Why the export writes no `is_causal`: with it set either way, the reference runs a layer
+    other than we trained it (True: the full layer causal; False: the sliding ones not) and its
+    drafts leave ours. The equality above rests on the key's absence."""
+    ours = drafter()
+    export_drafter(ours, tmp_path / "d")
+    overridden = load_reference(reference, with_config(tmp_path / "d", tmp_path / "o", is_causal=is_causal))
+    assert [layer.self_attn.is_causal for layer in overridden.layers] == [is_causal] * len(KINDS)
+    torch.manual_seed(20)
+    context = torch.randn(20, TAPS, H)
+    mine = draft_logits(ours, context, 7, 20)
+    assert (mine - reference_logits(overridden, ours, context, 7, 20)).abs().max() > 1e-2
