@@ -3,7 +3,9 @@ is inverse-transform sampling, the random numbers are keyed so batching changes 
 speculative sampling (block and DDTree) is lossless in distribution: samples of the first
 generated tokens and of whole short continuations against the target's exact distribution
 (plain forwards, harness/sampling_stats.py), with two planted faults caught and the test's power
-against them simulated from their exact distributions."""
+against them simulated from their exact distributions; and, with a drafter close to the target
+and on one slot with fixed logits, each of the planted faults of harness/sampling_faults.py
+caught at a sample where the test's power against it is at least 0.99 (issue 81)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,14 @@ from pipeline.data.prompts import read_prompts
 from pipeline.eval.batched import decode_rows
 from pipeline.eval.speculative_decoding import block_decode, drafting, tree_decode
 from pipeline.sampler import draw, uniform
-from pipeline.eval.speculative_sampling import LosslessRule, SpeculativeSampler
+from pipeline.eval.speculative_sampling import SpeculativeSampler
 from pipeline.target_model.live import LiveTarget
-from harness.sampling_stats import categories, chi_square, exact_continuations, simulated_power
+from harness.sampling_faults import (BLOCK_FAULTS, DRAFT_NOISE, POWERED_SETTING, SLOT_FAULTS, SLOT_SETTING,
+                                     TREE_BUDGET, TREE_FAULTS, CloseDrafter, ResidualFromTarget, SkippedRejection,
+                                     clean_samples, distributions, plant, powered_prompt, slot_samples)
+from harness.sampling_faults import SAMPLES as POWERED_SAMPLES
+from harness.sampling_stats import (calibrated_chi_square, calibrated_power, categories, chi_square, exact_continuations,
+                                    null_statistics, simulated_power)
 
 EOS = {498}
 ALPHA = 0.001          # the distribution test's level: a correct decoder fails it once in 1,000 seeds
@@ -139,18 +146,6 @@ def test_sampled_decoding_is_the_same_alone_and_in_a_batch(live, drafter, prompt
     assert [o.tokens for o in other] != [s.tokens for s in single]
 
 
-class SkippedRejection(LosslessRule):
-    """Planted fault: every draft token is accepted."""
-    def accepts(self, p_x, q_x, u):
-        return True
-
-
-class ResidualFromTarget(LosslessRule):
-    """Planted fault: a rejected position is redrawn from p instead of the residual max(0, p - q)."""
-    def residual(self, p, q):
-        return p
-
-
 def _samples(live, drafter, prompt, sampling, length, budget=None, samples=SAMPLES) -> Counter:
     rows = decode_rows(live, drafter, [prompt] * samples, max_new=length, eos=set(), budget=budget, top_k=8,
                        sampling=sampling, row_ids=list(range(samples)))
@@ -227,6 +222,114 @@ def test_ddtree_speculative_sampling_is_lossless_in_distribution(live, short_dra
     report["ddtree"] = {"setting": "temperature 2, top-k 20, budget 8, block 4", "samples": TREE_SAMPLES,
                         "four_tokens": {"statistic": statistic, "df": df, "p_value": p_value}}
     assert p_value > ALPHA, p_value
+
+
+# ---- Power against planted faults at high acceptance (issue 81) -----------------------------
+# The tests above draft with the shared test drafter, whose drafts the target mostly rejects
+# outright (85% at their setting), so a fault that acts only on a rejection barely moves their
+# output (the residual drawn with the acceptance test's number: a total variation of 0.0016,
+# power 0.002 at 1,000 samples). These draft with a drafter close to the target (its own logits
+# plus fixed noise, harness/sampling_faults.py), slot 1 accepting 0.76, through the same decoder
+# (`decode_rows`: the sampler's draft and acceptance, the live target's verify pass, DDTree's
+# walk), and one block slot on fixed logits without a model (cheap samples, a context of our
+# choosing). Each planted fault is a mutation of the sampling code; each run's sample is the
+# smallest on a ladder giving the test power >= 0.995 against its fault (0.99 and a margin;
+# computed from the fault's exact distribution), the clean run's the largest of its test's;
+# p-values are calibrated on the exact distribution, so the clean code fails at most ALPHA of
+# seeds (benchmarks/decoding/sampling_power.py prints the table).
+
+
+@pytest.fixture(scope="module")
+def powered(target, prompts):
+    """The live target (no trained drafter: nothing here reads its taps), the prompt, the close
+    drafter, and per test ("block", "ddtree", "slot") (the exact distribution, each fault's, the
+    first verify step's acceptance)."""
+    from pipeline.target_model.taps import default_taps
+
+    prompt = powered_prompt(prompts)
+    return {"live": LiveTarget(target, default_taps(target.config.num_hidden_layers, 3)), "prompt": prompt,
+            "drafter": CloseDrafter(target, prompt, 1, DRAFT_NOISE),
+            **{test: distributions(test, target, prompt) for test in ("block", "ddtree", "slot")}}
+
+
+def _first_two(powered, test: str, sampling: SpeculativeSampler, samples: int) -> tuple[Counter, float]:
+    """(the first two generated tokens of `samples` decodes, the share whose first verify step
+    accepted its draft): block 2 (one draft token), or DDTree of TREE_BUDGET nodes at depth 0;
+    the slot test: its one token, keyed (0, token), and no acceptance figure."""
+    if test == "slot":
+        return slot_samples(sampling, samples), float("nan")
+    rows = decode_rows(powered["live"], None, [powered["prompt"]] * samples, max_new=2, eos=set(),
+                       budget=TREE_BUDGET if test == "ddtree" else None, top_k=TREE_BUDGET,
+                       draft=[powered["drafter"]] * samples, sampling=sampling, row_ids=list(range(samples)))
+    assert all(len(r.tokens) == 2 for r in rows)
+    return Counter(tuple(r.tokens) for r in rows), sum(r.accepted[0] > 0 for r in rows) / samples
+
+
+POWERED_SEEDS = {"block": 5, "ddtree": 9, "slot": 3}
+
+
+def _planted_run(powered, report, monkeypatch, test: str, fault: str | None) -> None:
+    """Decode the test's sample with `fault` planted (None: the clean code) and judge it against
+    the exact distribution; a fault must be caught, and its sample must fit the fault's own
+    distribution (the one its power figure is computed from)."""
+    exact, faults, acceptance = powered[test]
+    samples = clean_samples(test) if fault is None else POWERED_SAMPLES[test][fault]
+    cats = categories(exact, samples)
+    null = null_statistics(exact, cats, samples)
+    setting = SLOT_SETTING if test == "slot" else POWERED_SETTING
+    sampling = plant(fault, SpeculativeSampler(**setting, seed=POWERED_SEEDS[test]), monkeypatch)
+    observed, accepted = _first_two(powered, test, sampling, samples)
+    statistic, p_value = calibrated_chi_square(observed, exact, cats, null)
+    figures = report.setdefault(f"powered_{test}", {}).setdefault(fault or "clean", {})
+    figures.update({"samples": samples, "categories": len(cats) + 1, "statistic": statistic, "p_value": p_value})
+    if fault is None:
+        assert p_value > ALPHA, (test, statistic, p_value)
+        if test != "slot":
+            figures["accepted"] = accepted
+            # The fixture is what it claims: most first drafts accepted, as the exact figure says
+            # (within four standard errors of the sample's share).
+            assert acceptance > 0.7, acceptance
+            error = (acceptance * (1 - acceptance) / samples) ** 0.5
+            assert abs(accepted - acceptance) < 4 * error, (accepted, acceptance)
+        return
+    power = calibrated_power(faults[fault], exact, cats, samples, ALPHA, null)
+    own = categories(faults[fault], samples)
+    _, fit = calibrated_chi_square(observed, faults[fault], own, null_statistics(faults[fault], own, samples))
+    figures.update({"power": power, "fits_its_own_distribution_p": fit})
+    assert power >= 0.99, (test, fault, power)
+    assert p_value < ALPHA, (test, fault, statistic, p_value)
+    assert fit > ALPHA, (test, fault, fit)
+
+
+@pytest.mark.parametrize("fault", [None, *BLOCK_FAULTS])
+def test_block_speculative_sampling_catches_planted_faults_at_high_acceptance(fault, powered, report, monkeypatch):
+    """Block speculative sampling with a drafter close to the live target (slot 1 accepts 0.76;
+    temperature 1.2, top-k 20, top-p 0.85): the first two generated tokens against the target's
+    exact distribution. The clean code passes; every draft accepted, the residual replaced by p,
+    the residual drawn without scaling to its total, the residual drawn with the acceptance
+    test's own random number, and the draft drawn before top-p cuts q are each caught, at a sample
+    where the test's power against them is >= 0.99."""
+    _planted_run(powered, report, monkeypatch, "block", fault)
+
+
+@pytest.mark.parametrize("fault", [None, *TREE_FAULTS])
+def test_ddtree_speculative_sampling_catches_planted_faults_at_high_acceptance(fault, powered, report, monkeypatch):
+    """DDTree (the drafter's top 3 at depth 0) with the close drafter: the first two generated
+    tokens against the exact distribution. The clean walk passes; the walk taking the best child
+    when the target's draw matches none, a miss redrawn from p (the children left in the
+    residual), the draw after a node keyed one position early (it reuses the number of the token
+    before), and the target's draw made before top-p are each caught at power >= 0.99."""
+    _planted_run(powered, report, monkeypatch, "ddtree", fault)
+
+
+@pytest.mark.parametrize("fault", [None, *SLOT_FAULTS])
+def test_one_block_slot_catches_planted_faults(fault, powered, report, monkeypatch):
+    """The sampler's `draft_chain` and `accept_chain` for one slot on fixed logits (temperature 1,
+    top-p 0.9; p is 0 on a token q drafts, q is 0 on tokens only the residual supplies): the
+    emitted token against p from transformers' warpers. The block faults above, and the residual
+    un-clamped (p - q, whose outcome only known float32 inputs make computable), are each caught
+    at power >= 0.99, whatever the live target's context happens to favour."""
+    _planted_run(powered, report, monkeypatch, "slot", fault)
 
 
 def test_eval_cli_samples_and_refuses_sampling_options_without_a_temperature(trained_run):
