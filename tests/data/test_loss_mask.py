@@ -1,6 +1,12 @@
-"""Loss-mask boundaries derived from the chat template (DESIGN 3.5)."""
+"""Loss-mask boundaries derived from the chat template (DESIGN 3.5): hand-written boundaries, and
+every conversation shape in every thinking mode of the embedded target's own template against the
+oracle written from the rule (harness/chat_shapes.py), with nothing from outside the repository."""
+
+import pytest
+from harness.chat_shapes import HEADER, REASONING_SHAPES, SHAPES, TOOL_SHAPES, WEATHER_TOOL, oracle
 
 from pipeline.data.loss_mask import tokenize_conversation
+from pipeline.errors import PipelineError
 from pipeline.toy.chat import IM_END
 
 CONVERSATION = [
@@ -95,3 +101,85 @@ def test_template_that_rerenders_history(tokenizer):
         # With thinking on the model writes it itself: supervised.
         think = "" if not thinking else "<think>\n\n</think>\n\n"
         assert texts[1] == think + CONVERSATION[4]["content"] + IM_END, (thinking, texts[1])
+
+
+# The embedded template's thinking modes: (template kwargs, what its generation prompt supplies
+# after the header), read off the `add_generation_prompt` block at the end of
+# pipeline/embedded/target/chat_template.jinja (a Qwen3.6-style template).
+EMBEDDED_MODES = {
+    "thinking": ({}, "<think>\n"),
+    "no_thinking": ({"enable_thinking": False}, "<think>\n\n</think>\n\n"),
+    "preserve_thinking": ({"preserve_thinking": True}, "<think>\n"),
+}
+
+
+@pytest.mark.parametrize("mode", list(EMBEDDED_MODES))
+def test_every_chat_shape_equals_the_oracle_of_the_rule(tokenizer, mode):
+    """Each conversation shape (system prompts, history turns rendered bare, reasoning, empty
+    reasoning, tool calls and replies, null and empty content, an assistant turn first), rendered
+    with the embedded target's template in this mode: `tokenize_conversation`'s ids and mask equal
+    the oracle's token for token. The oracle finds each `<|im_start|>assistant\\n` by string
+    search, skips what the generation prompt supplies, supervises through `<|im_end|>`, and maps
+    characters to tokens by offsets, a token supervised when any of its characters is (DESIGN 3.5,
+    the straddling rule of pipeline/data/loss_mask.py). The embedded tokenizer merges `\\n\\n` as
+    Qwen's does, so an empty think block puts a token across the boundary, and that token is
+    compared too. Reasoning with thinking off is refused, as the default policy says."""
+    kwargs, supplied = EMBEDDED_MODES[mode]
+    probe = [{"role": "user", "content": "?"}]
+    bare = tokenizer.apply_chat_template(probe, tokenize=False, **kwargs)
+    # The table above is the template's: its generation prompt is the header then `supplied`.
+    assert tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, **kwargs) == \
+        bare + HEADER + supplied
+    straddling = 0
+    for shape, messages in SHAPES.items():
+        tools = [WEATHER_TOOL] if shape in TOOL_SHAPES else None
+        if mode == "no_thinking" and shape in REASONING_SHAPES:
+            with pytest.raises(PipelineError, match="thinking is off"):
+                tokenize_conversation(tokenizer, messages, IM_END, tools=tools, **kwargs)
+            continue
+        ids, want = oracle(tokenizer, shape, kwargs, supplied)
+        got = tokenize_conversation(tokenizer, messages, IM_END, tools=tools, **kwargs)
+        assert got.input_ids == ids, shape
+        assert got.loss_mask == want, (shape, [tokenizer.decode([i]) for i, m in zip(ids, want) if m],
+                                       [tokenizer.decode([i]) for i, m in zip(ids, got.loss_mask) if m])
+        # Never vacuous: the end-of-turn token of each assistant turn is supervised, of no other turn.
+        end = tokenizer.convert_tokens_to_ids(IM_END)
+        assert [m for i, m in zip(ids, want) if i == end].count(1) == sum(m["role"] == "assistant" for m in messages)
+        straddling += sum(m and tokenizer.decode([i]) == "\n\n" and tokenizer.decode(ids[:k]).endswith("<think>")
+                          for k, (i, m) in enumerate(zip(ids, want)))
+    if supplied == "<think>\n":
+        # A last turn without reasoning renders "<think>\n" + "" + "\n</think>": one "\n\n" token
+        # across the boundary, in most shapes.
+        assert straddling >= 10, "the straddling token is under test"
+
+
+@pytest.mark.parametrize("policy, texts", [
+    ("keep", ["5.<|im_end|>", "Double four.\n</think>\n\n8.<|im_end|>"]),
+    ("drop", ["5.<|im_end|>", "8.<|im_end|>"]),
+])
+def test_reasoning_with_thinking_off_by_policy(tokenizer, policy, texts):
+    """Thinking off, a conversation whose turns carry reasoning (DESIGN 3.5: a decision, not an
+    accident). The history turn renders bare (the template drops its reasoning): all of it is
+    the target's. The last turn: kept, it renders `<think>\\n` + reasoning + `\\n</think>\\n\\n`,
+    of which only the `<think>\\n` line is what the generation prompt would supply; dropped, it
+    renders the empty block the prompt supplies whole, which is no label. Worked by hand."""
+    kwargs, _ = EMBEDDED_MODES["no_thinking"]
+    sample = tokenize_conversation(tokenizer, SHAPES["reasoning_in_both"], IM_END, reasoning=policy, **kwargs)
+    assert [tokenizer.decode(sample.input_ids[a:b]) for a, b in supervised_spans(sample.loss_mask)] == texts
+
+
+def test_content_that_begins_like_the_supplied_text_is_the_targets(tokenizer):
+    """Thinking on, a history turn (rendered bare) whose content begins `<th`, as the supplied
+    `<think>\\n` does: all of it is the target's own text, supervised from its first character
+    (what is supplied is whole lines of the generation prompt, never a few characters of it); the
+    last turn starts after the supplied `<think>\\n`, its straddling `\\n\\n` supervised. Worked by hand."""
+    conversation = [{"role": "user", "content": "Which tag makes a table header?"},
+                    {"role": "assistant", "content": "<th> is a table header."},
+                    {"role": "user", "content": "And a cell?"},
+                    {"role": "assistant", "content": "<td> is a cell."}]
+    sample = tokenize_conversation(tokenizer, conversation, IM_END)
+    assert [tokenizer.decode(sample.input_ids[a:b]) for a, b in supervised_spans(sample.loss_mask)] == \
+        ["<th> is a table header.<|im_end|>", "\n\n</think>\n\n<td> is a cell.<|im_end|>"]
+    # "<th" is not one token: the first supervised token is "<" alone.
+    first = supervised_spans(sample.loss_mask)[0][0]
+    assert tokenizer.decode(sample.input_ids[first:first + 1]) == "<"

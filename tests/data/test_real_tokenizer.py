@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from harness.chat_shapes import MODES, SHAPES, as_row, oracle
+from harness.prerequisites import needs
 from harness.runs import REPO, cli_here, write_rows
 
 FIXTURES = REPO.parent / "shared" / "fixtures"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen3.6"
-pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not (FIXTURES / "chat_templates").is_dir(),
-                                reason=f"the real Qwen3.6 tokenizer/template fixtures are not at {FIXTURES} "
-                                       "(the project's shared fixtures folder); these tests need them")
+pytestmark = needs(TOKENIZER.is_dir() and (FIXTURES / "chat_templates").is_dir(),
+                   f"the real Qwen3.6 tokenizer/template fixtures are not at {FIXTURES} "
+                   "(the project's shared fixtures folder); these tests need them")
 
 
 MASK_ID = 248070
@@ -50,6 +51,19 @@ def real(tmp_path_factory):
     run_extract(ExtractConfig(target=str(target), data=[str(data)], cache=str(root / "cache"), num_shards=2), None,
                 progress=False)
     return {"root": root, "target": target, "data": data, "cache": root / "cache"}
+
+
+@pytest.fixture(scope="module")
+def trained(real):
+    """A drafter trained 2 steps on the real vocabulary with mask id 248070 (the run directory),
+    built here for every test that needs one, so none depends on another having run first (the
+    file stays on one pytest-xdist worker, `--dist loadfile`: built once a run)."""
+    run = real["root"] / "run"
+    result = cli("train", "--cache", str(real["cache"]), "--out", str(run), "--mask-token", str(MASK_ID),
+                 "--max-steps", "2", "--batch-sequences", "2", "--num-anchors", "8", "--block-size", "4",
+                 "--num-hidden-layers", "1")
+    assert result.returncode == 0, result.stderr
+    return run
 
 
 def test_stored_masks_equal_the_oracle(real):
@@ -160,7 +174,10 @@ def test_show_marks_supervised_tokens_without_colour_and_in_json(real):
     assert tagged.count("[[E ") == sum(m["role"] == "assistant" for m in SHAPES["tool_with_reasoning"])
 
 
-def test_train_names_the_mask_option_then_trains_with_248070(real):
+def test_train_names_the_mask_option_then_trains_with_248070(real, trained):
+    """Without a mask token in the vocabulary train refuses in one line naming --mask-token and a
+    candidate; with --mask-token 248070 it trains (the `trained` fixture) a drafter of the full
+    vocabulary whose config records that mask id."""
     result = cli("train", "--cache", str(real["cache"]), "--out", str(real["root"] / "run-none"), "--max-steps", "1")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
@@ -168,24 +185,18 @@ def test_train_names_the_mask_option_then_trains_with_248070(real):
     assert "--mask-token 248070 ('<|audio_start|>'" in lines[0], lines[0]
     assert not (real["root"] / "run-none" / "drafter").exists()
 
-    run = real["root"] / "run"
-    result = cli("train", "--cache", str(real["cache"]), "--out", str(run), "--mask-token", str(MASK_ID),
-                 "--max-steps", "2", "--batch-sequences", "2", "--num-anchors", "8", "--block-size", "4",
-                 "--num-hidden-layers", "1")
-    assert result.returncode == 0, result.stderr
-    config = json.loads((run / "drafter" / "config.json").read_text())
+    config = json.loads((trained / "drafter" / "config.json").read_text())
     assert config["dflash_config"]["mask_token_id"] == MASK_ID and config["vocab_size"] == 248320
-    real["run"] = run
 
 
-def test_eval_is_lossless_on_the_real_vocabulary(real):
+def test_eval_is_lossless_on_the_real_vocabulary(real, trained):
+    """Eval of the 248,320-token drafter against its target, block and DDTree, batched: every
+    output equals greedy's (lossless), 6 tokens for each of 2 prompts."""
     from stages.eval.options import EvalOptions
     from stages.eval.run import run_eval
 
-    if "run" not in real:
-        pytest.skip("needs the drafter of test_train_names_the_mask_option_then_trains_with_248070")
     prompts = write_rows(real["root"] / "prompts.jsonl", [as_row(s) for s in ("tool_with_reasoning", "three_turns")])
-    result = run_eval(EvalOptions(drafter=real["run"], target=real["target"], prompts=prompts, max_new_tokens=6,
+    result = run_eval(EvalOptions(drafter=trained, target=real["target"], prompts=prompts, max_new_tokens=6,
                                   block_size=None, tree_budget=[8], tree_top_k=4, limit=None,
                                   batch_size=2))
     assert result["lossless"] and result["prompts"] == 2 and result["greedy"]["tokens"] == 12, result

@@ -4,6 +4,7 @@ decoded, streamed per batch of prompts to FILE.partial and renamed to FILE at th
 import json
 
 import pytest
+import torch
 from harness.runs import cli_here
 
 from pipeline.data.prompts import read_prompts
@@ -72,10 +73,30 @@ def test_a_line_per_prompt_with_every_variant_streamed_per_batch(greedy_eval):
     assert greedy_eval["seen"] == [(2, False), (4, False)]
 
 
-def test_the_ids_are_plain_greedys_and_the_text_their_decode(greedy_eval, live, prompts, tokenizer):
-    eos = end_of_turn_ids(tokenizer)
-    for line, prompt in zip(greedy_eval["lines"], prompts):
-        reference = greedy(live, prompt, max_new=MAX_NEW, eos=eos).tokens   # an independent decode
+@pytest.fixture(scope="module")
+def forward_greedy(target, prompts, tokenizer):
+    """Each prompt's greedy continuation written out as the definition: a full forward of the
+    target over the prompt and every token so far (no KV cache, no LiveTarget), the argmax of the
+    last position's logits, until `<|im_end|>` (the embedded tokenizer's eos too) or MAX_NEW
+    tokens. The reference for eval's outputs, independent of the decoding code under test."""
+    stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    decoded = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, new = list(prompt), []
+            while len(new) < MAX_NEW and (not new or new[-1] not in stop):
+                new.append(int(target(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+                ids.append(new[-1])
+            decoded.append(new)
+    return decoded
+
+
+def test_the_ids_are_plain_greedys_and_the_text_their_decode(greedy_eval, forward_greedy, tokenizer):
+    """Eval's greedy reference, its block and its DDTree outputs are, token for token and over
+    their whole length, the target's greedy continuation computed by full forwards (DESIGN 4:
+    speculative decoding is lossless)."""
+    assert sum(map(len, forward_greedy)) > 3 * PROMPTS   # whole answers, not a few tokens each
+    for line, reference in zip(greedy_eval["lines"], forward_greedy, strict=True):
         for out in (line["greedy"], line["block"], line["tree"]["4"]):
             assert out["ids"] == reference
             assert out["text"] == tokenizer.decode(out["ids"])

@@ -1,13 +1,20 @@
-"""Training's blocks (anchors, block inputs and mask, labels and weights), its decayed CE and its
-metrics, on hand-made tensors (DESIGN 3.3, 3.4, 4)."""
+"""Training's blocks (anchors, block inputs and mask, labels, soft targets and weights), its decayed
+CE and its metrics, on hand-made tensors against values worked out by hand (DESIGN 3.2-3.4, 4)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from harness.ranked_logits import EXPECTED as RANKED_EXPECTED
+from harness.ranked_logits import ranked_case
 
-from pipeline.training.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
-                                      valid_anchors)
+from pipeline.cache.schema import (HIDDEN, INPUT_IDS, TARGET_ARGMAX, TARGET_LOGSUMEXP, TARGET_TOPK_IDS,
+                                   TARGET_TOPK_LOGITS)
+from pipeline.cache.schema import LOSS_MASK as LOSS_MASK_FIELD
+from pipeline.training.batch import prepare
+from pipeline.training.blocks import (block_inputs, block_soft_targets, block_targets, decay_weights, default_gamma,
+                                      sample_anchors, valid_anchors)
 from pipeline.training.metrics import block_metrics
 from pipeline.training.objectives import weighted_ce
 
@@ -73,3 +80,92 @@ def test_metrics_on_known_logits():
     assert m["avg_streak"] == pytest.approx((2 + 0) / 2)
     assert m["pos_acc"] == pytest.approx([0.5, 1.0, 0.0])
     assert m["top4_acc"] >= 4 / 5 and m["ddtree_streak4"] >= (3 + 0) / 2
+
+
+def test_metrics_equal_the_hand_worked_values():
+    """Every metric of DESIGN 4 on logits whose label ranks were placed by hand
+    (harness/ranked_logits.py): ranks 5 and 7 are inside the top-8 and outside the top-4, rank 8
+    outside both, and a streak stops at a miss and at an unsupervised slot."""
+    logits, labels, weights = ranked_case()
+    m = block_metrics(logits, labels, weights)
+    for name, want in RANKED_EXPECTED.items():
+        assert m[name] == pytest.approx(want), name
+
+
+# A hand-written cache of 8 positions (DESIGN 3.2): at each position t the target's top-3 ids and
+# how much probability each carries, out of a full-vocabulary mass of 20 (so the top-3 never cover
+# everything, and renormalised over the top-3 they give the fractions below). The stored argmax
+# is each position's top-1. Ids repeat across positions (40, 12, 14, 15) as a real cache's do.
+TOPK_IDS = [[11, 21, 31], [12, 40, 22], [40, 13, 23], [14, 12, 40],
+            [15, 14, 25], [16, 26, 15], [17, 27, 37], [18, 28, 38]]
+MASS = [[6, 3, 1], [5, 4, 1], [7, 2, 1], [8, 1, 1], [4, 3, 2], [9, 2, 1], [3, 2, 1], [5, 3, 2]]
+ARGMAX = [11, 12, 40, 14, 15, 16, 17, 18]
+LOSS_MASK = [0, 1, 1, 1, 1, 0, 1, 1]
+GAMMA = 2.0
+
+# Worked by hand from DESIGN 3.3: slot k of the block anchored at a predicts position a+k; its hard
+# label is the argmax stored at a+k-1 and its soft target the top-k stored there (the target's
+# prediction from the prefix 0..a+k-1). Per anchor, per supervised slot k: (label, ids, probs).
+# Slots out of the loss (loss_mask[a+k] == 0, or a+k past the end) are left out: label 0, weight 0.
+HAND = {
+    1: {1: (12, [12, 40, 22], [5 / 10, 4 / 10, 1 / 10]),     # predicts 2 from position 1
+        2: (40, [40, 13, 23], [7 / 10, 2 / 10, 1 / 10]),     # predicts 3 from position 2
+        3: (14, [14, 12, 40], [8 / 10, 1 / 10, 1 / 10])},    # predicts 4 from position 3
+    2: {1: (40, [40, 13, 23], [7 / 10, 2 / 10, 1 / 10]),     # predicts 3 from position 2
+        2: (14, [14, 12, 40], [8 / 10, 1 / 10, 1 / 10])},    # predicts 4; slot 3 predicts 5 (mask 0)
+    3: {1: (14, [14, 12, 40], [8 / 10, 1 / 10, 1 / 10]),     # predicts 4 from position 3; slot 2: 5 (mask 0)
+        3: (16, [16, 26, 15], [9 / 12, 2 / 12, 1 / 12])},    # predicts 6 from position 5
+    6: {1: (17, [17, 27, 37], [3 / 6, 2 / 6, 1 / 6])},       # predicts 7 from position 6; slots 2, 3 past the end
+}
+DECAY = [0.0, 1.0, math.exp(-1 / GAMMA), math.exp(-2 / GAMMA)]   # w_k = exp(-(k-1)/gamma), slot 0 never
+
+
+def stored_topk():
+    """(ids [T, 3], logits [T, 3], logsumexp [T]) as extract stores them: logits are log-masses
+    plus a per-position offset (the model's logits are not normalised), the logsumexp that of the
+    full vocabulary (total mass 20, same offset)."""
+    offset = torch.arange(len(MASS), dtype=torch.float32)[:, None] * 0.7 - 3.0
+    logits = torch.tensor(MASS, dtype=torch.float32).log() + offset
+    return torch.tensor(TOPK_IDS), logits, math.log(20.0) + offset[:, 0]
+
+
+def check_against_hand(anchors, labels, weights, soft_ids, soft_probs):
+    assert list(anchors) == list(HAND)
+    for i, a in enumerate(anchors):
+        for k in range(B):
+            if k not in HAND[a]:
+                assert weights[i, k] == 0 and labels[i, k] == 0, (a, k)
+                continue
+            label, ids, probs = HAND[a][k]
+            assert weights[i, k] == pytest.approx(DECAY[k]), (a, k)
+            assert labels[i, k] == label, (a, k)
+            assert soft_ids[i, k].tolist() == ids, (a, k)
+            assert soft_probs[i, k].tolist() == pytest.approx(probs, abs=1e-6), (a, k)
+            assert soft_ids[i, k, 0] == labels[i, k]   # on a supervised slot the soft top-1 is the hard label
+
+
+def test_hard_labels_and_soft_targets_against_a_hand_worked_alignment():
+    """`block_targets` and `block_soft_targets` on the hand-written cache, anchors 1, 2, 3, 6 and
+    B = 4: each supervised slot's label, weight, top-k ids and renormalised probabilities are the
+    ones worked out by hand (DESIGN 3.2-3.4). A soft target read one position late or early, or a
+    label off by one, lands on another position's ids or masses."""
+    anchors = torch.tensor(list(HAND))
+    labels, weights = block_targets(torch.tensor(ARGMAX), torch.tensor(LOSS_MASK), anchors, B, gamma=GAMMA)
+    soft_ids, soft_probs = block_soft_targets(*stored_topk(), anchors, B)
+    assert soft_ids.shape == soft_probs.shape == (len(HAND), B, 3)
+    check_against_hand(anchors.tolist(), labels, weights, soft_ids, soft_probs)
+
+
+def test_a_prepared_sample_carries_the_hand_worked_targets():
+    """The same cache row as a decoded sample through `prepare` (what training's stream feeds):
+    the anchors are every valid one (1, 2, 3, 6: loss_mask[a] and loss_mask[a+1] both 1, DESIGN
+    3.3), and its labels, weights and soft targets are the hand-worked ones."""
+    ids, logits, lse = stored_topk()
+    sample = {INPUT_IDS: np.arange(100, 108), LOSS_MASK_FIELD: np.array(LOSS_MASK, dtype=np.uint8),
+              TARGET_ARGMAX: np.array(ARGMAX), HIDDEN: np.zeros((8, 2, 4), dtype=np.float32),
+              TARGET_TOPK_IDS: ids.numpy(), TARGET_TOPK_LOGITS: logits.numpy(),
+              TARGET_LOGSUMEXP: lse.numpy()}
+    blocks = prepare(sample, block_size=B, num_anchors=16, max_length=64, mask_token_id=99, gamma=GAMMA,
+                     generator=torch.Generator().manual_seed(0), soft=True)
+    check_against_hand(blocks.anchors.tolist(), blocks.labels, blocks.weights, blocks.soft_ids, blocks.soft_probs)
+    assert blocks.block_ids.view(-1, B)[:, 0].tolist() == [101, 102, 103, 106]   # the anchor tokens

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from harness.loss_batches import B, H, V, batch, drafter
+from harness.ranked_logits import EXPECTED as RANKED_EXPECTED
+from harness.ranked_logits import ranked_case
 from pipeline.training.batch import final_hidden, forward_logits, loss_sum
 from pipeline.training.loss import supervised_loss
-from pipeline.training.metrics import hit_sums, metric_sums
+from pipeline.training.metrics import finish_metrics, hit_sums, metric_sums
 
 def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -45,6 +47,30 @@ def test_same_loss_gradients_and_metrics_as_full_logits(kind, chunk_rows, length
     for name, value in want_sums.items():
         assert torch.equal(value, got_sums[name]), name
     assert float(want_sums["top1"]) < float(want_sums["supervised"])  # not all trivially right
+
+
+@pytest.mark.parametrize("path", ["ce", "kl", "tv", "ce-dpace"])
+@pytest.mark.parametrize("chunk_rows", [1, 4, None])
+def test_the_chunked_hits_give_the_hand_worked_metrics(path, chunk_rows):
+    """The comparison above checks the chunked hits against `metric_sums`, which shares `hit_sums`
+    with them: here both halves meet values worked out by hand (harness/ranked_logits.py). The
+    logits reach the loss as hidden states through an identity lm_head, on both of the loss's
+    paths (the first recipe, ce and kl; the general one, with the tv term and with D-PACE
+    weights), whole or in chunks."""
+    logits, labels, weights = ranked_case()
+    a, b, v = logits.shape
+    soft = {}
+    if path in ("kl", "tv"):   # soft targets: the label first (as a consistent cache has it), two others
+        others = (labels[..., None] + torch.tensor([1, 2])) % v
+        soft = {"soft_ids": torch.cat([labels[..., None], others], -1),
+                "soft_probs": torch.tensor([0.6, 0.3, 0.1]).expand(a, b, 3)}
+    options = {"tv": {"terms": {"tv": 1.0}}, "ce-dpace": {"dpace_alpha": 0.5}}.get(path, {})
+    mask = (weights > 0).float() if path == "ce-dpace" else weights   # D-PACE takes 0/1 weights
+    _, hits = supervised_loss(logits.clone(), torch.eye(v), labels, mask, chunk_rows=chunk_rows, with_hits=True,
+                              **soft, **options)
+    got = finish_metrics(hit_sums(hits, mask))
+    for name, want in RANKED_EXPECTED.items():
+        assert got[name] == pytest.approx(want), (name, got[name])
 
 
 def test_no_vocabulary_sized_tensor_is_kept_for_backward():

@@ -1,5 +1,7 @@
-"""Training order: a pure function of (shards, seed, epoch), independent of world size, resumable."""
+"""Training order: a pure function of (shards, seed, epoch), independent of world size, resumable;
+its readers (a thread or loader processes) stop when an epoch is abandoned."""
 
+import multiprocessing
 import threading
 
 import pytest
@@ -107,17 +109,25 @@ def test_loader_processes_keep_the_exact_order(cache, workers):
     threaded = [(p, s["sample_id"]) for p, s in SampleStream(cache, seed=3, state=state, rank=1, world_size=2).epoch()]
     processes = SampleStream(cache, seed=3, state=state, rank=1, world_size=2, workers=workers)
     assert [(p, s["sample_id"]) for p, s in processes.epoch()] == threaded
+    before = set(multiprocessing.active_children())
     it = processes.epoch()
     next(it)
-    it.close()  # the loader processes shut down
+    loaders = [p for p in multiprocessing.active_children() if p not in before]
+    assert len(loaders) == workers
+    it.close()  # the loader processes shut down: none is left running
+    assert [p for p in loaders if p.is_alive()] == []
 
 
 def test_a_loader_process_error_reaches_the_trainer_as_itself(cache):
     def broken(position, sample):
         raise PipelineError(f"sample {sample['sample_id']}: planted failure")
     stream = SampleStream(cache, seed=0, state=StreamState(), workers=1, transform=broken)
-    with pytest.raises(PipelineError, match="planted failure"):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(PipelineError, match="planted failure") as failure:
         list(stream.epoch())
+    # The traceback still holds the loader's frame, so garbage collection has not stopped the
+    # loader process: the stream itself must have.
+    assert failure.traceback and [p for p in multiprocessing.active_children() if p not in before] == []
 
 
 def test_reading_in_the_training_thread_keeps_the_exact_order(cache):
@@ -142,10 +152,25 @@ def test_read_ahead_is_a_thread_on_an_accelerator_and_none_on_the_cpu():
 
 
 def test_stream_can_be_abandoned_midway(cache):
-    stream = SampleStream(cache, seed=0, state=StreamState(), prefetch=1)
+    """Closing the epoch midway ends its read-ahead thread before close() returns, though that
+    thread is blocked on a full queue, and ends its reading (a sample past what was queued, not
+    the rest of the epoch): a trainer that stops early (max_steps, an error) leaks no thread."""
+    read, readers = [], set()
+
+    def count(position, sample):   # runs where the reading runs: on the producer thread
+        read.append(position)
+        readers.add(threading.current_thread())
+        return sample
+    stream = SampleStream(cache, seed=0, state=StreamState(), prefetch=1, transform=count)
     it = stream.epoch()
     next(it)
-    it.close()  # the producer thread must stop, not hang on a full queue
+    [producer] = readers
+    assert producer is not threading.current_thread() and producer.is_alive()   # the check below can fail
+    it.close()
+    assert not producer.is_alive(), "the producer thread outlives the closed epoch"
+    # One sample handed over, one in the queue, one blocked on the full queue, and at most the one
+    # it reads after being released: not the epoch's 12.
+    assert len(read) <= 4, read
 
 
 def test_resume_with_another_world_size_reads_the_rest_once():
