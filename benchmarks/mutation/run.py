@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -268,9 +269,30 @@ def write_config(path: Path, module: str, command: list[str], timeout: float) ->
     path.write_text("\n".join(lines))
 
 
+SITE = None   # the folder of the sitecustomize.py below, on every test process's path (set in main)
+
+# cosmic-ray's exception operator writes `except CosmicRayTestingException:` into the module (a
+# handler that matches nothing) but defines that name only in its own process: in the tests'
+# processes the clause would raise NameError as soon as an exception reached it, which is another
+# mutant (and kills some that the intended one leaves alive). Every test process (pytest, and the
+# `python -m cli` it starts) gets the name as a builtin through this sitecustomize.
+SITECUSTOMIZE = """import builtins
+
+
+class CosmicRayTestingException(Exception):
+    \"\"\"What cosmic-ray's exception operator puts in an except clause: never raised.\"\"\"
+
+
+builtins.CosmicRayTestingException = CosmicRayTestingException
+"""
+
+
 def test_env() -> dict:
     """One worker, one thread: cosmic-ray runs one mutant at a time; torch must not take both cores."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+    if SITE is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)
+    return env
 
 
 def baseline(repo: Path, module: str, command: list[str]) -> float:
@@ -548,6 +570,12 @@ def main() -> None:
         parser.error("cosmic-ray is not installed in this interpreter: pip install cosmic-ray==8.7.0")
     os.nice(max(0, 19 - os.nice(0)))  # this process and everything it starts: nice -n 19
     work = args.work.resolve()
+    if importlib.util.find_spec("sitecustomize") is not None:
+        parser.error("this interpreter already has a sitecustomize module, which the script's own would hide")
+    global SITE
+    SITE = work / "site"
+    SITE.mkdir(parents=True, exist_ok=True)
+    (SITE / "sitecustomize.py").write_text(SITECUSTOMIZE)
     repo, sessions, results_dir = work / "repo", work / "sessions", work / "results"
     sessions.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)

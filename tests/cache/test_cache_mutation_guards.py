@@ -710,13 +710,18 @@ def test_a_chunk_budget_decodes_a_shared_chunk_once(cache, monkeypatch):
     monkeypatch.setattr(sharded.ShardedArray, "_decode",
                         lambda self, path, c, *a: (decoded.append((self.name, c)), original(self, path, c, *a)))
     reader = CacheReader(cache)
-    # Samples 7 (tokens 0..5) and 3 (token 5) share input_ids' chunk 2 (tokens 4..6).
-    for budget, decodes in ((None, 2), (1 << 20, 1)):
+    direct = {"files": reader.files("shard-00000"), "expected": (5, 40)}
+    # Samples 7 (tokens 0..5) and 3 (token 5) share input_ids' chunk 2 (tokens 4..6). No budget (the
+    # default, of the cache's reader and of a shard's): each read decodes what it covers.
+    for make, decodes in ((lambda: reader.shard(0), 2), (lambda: reader.shard(0, chunk_cache_bytes=1 << 20), 1),
+                          (lambda: ShardReader(open_location(cache), "shard-00000", "bf16", **direct), 2),
+                          (lambda: ShardReader(open_location(cache), "shard-00000", "bf16", chunk_cache_bytes=1 << 20,
+                                               **direct), 1)):
         decoded.clear()
-        shard = reader.shard(0) if budget is None else reader.shard(0, chunk_cache_bytes=budget)
+        shard = make()
         shard.read("input_ids", 7)
         shard.read("input_ids", 3)
-        assert decoded.count(("input_ids", 2)) == decodes, budget
+        assert decoded.count(("input_ids", 2)) == decodes
 
 
 def test_only_committed_shards_are_read(copy):
