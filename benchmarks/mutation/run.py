@@ -420,7 +420,8 @@ def changed_lines(diff: str) -> tuple[str, str]:
 
 def load_equivalents(path: Path) -> list[dict]:
     """The known-equivalent mutants: [[equivalent]] tables of module, line (the original source
-    line), mutated (the line as the mutant has it), operator (optional) and reason."""
+    line), mutated (the line as the mutant has it), reason, and optionally operator and context (a
+    line the diff shows unchanged around it, where `line` alone is not unique in the module)."""
     if not path.exists():
         return []
     entries = tomllib.loads(path.read_text()).get("equivalent", [])
@@ -433,9 +434,11 @@ def load_equivalents(path: Path) -> list[dict]:
 
 def equivalent_reason(module: str, operator: str, diff: str, entries: list[dict]) -> str | None:
     removed, added = changed_lines(diff)
+    context = {re.sub(r"\s+", "", line) for line in diff.splitlines() if line.startswith(" ")}
     for e in entries:
         if e["module"] == module and e.get("operator", operator) == operator \
-                and re.sub(r"\s+", "", e["line"]) == removed and re.sub(r"\s+", "", e["mutated"]) == added:
+                and re.sub(r"\s+", "", e["line"]) == removed and re.sub(r"\s+", "", e["mutated"]) == added \
+                and ("context" not in e or re.sub(r"\s+", "", e["context"]) in context):
             return e["reason"]
     return None
 

@@ -303,13 +303,17 @@ def test_broken_missing_and_unreadable_shards_are_each_named_and_the_rest_still_
     (copy / "manifest.json").write_text(json.dumps(manifest))
     reader = CacheReader(copy, foreign="report")
     assert select_shards(reader, None, broken=True) == ["shard-00000", "shard-00001", "shard-00002"]
-    problems = check_structure(reader, ["shard-00000", "shard-00001", "shard-00002"]).evidence["problems"]
+    # in this order each problem comes after another kind: none stops the checks of the shards after it
+    problems = check_structure(reader, ["shard-00002", "shard-00000", "shard-00001"]).evidence["problems"]
     assert len(problems) == 3
-    assert "shard-00000" in problems[0] and "input_ids/c.0" in problems[0]
-    assert "shard-00001/offsets: declares shape (4,), but the manifest says 4 samples and 18 tokens" in problems[1]
-    assert problems[2] == "shard-00002: listed in the manifest but missing on disk"
-    # Missing shards are left to the structure check by the digest check.
+    assert problems[0] == "shard-00002: listed in the manifest but missing on disk"
+    assert "shard-00000" in problems[1] and "input_ids/c.0" in problems[1]
+    assert "shard-00001/offsets: declares shape (4,), but the manifest says 4 samples and 18 tokens" in problems[2]
+    # Missing shards are left to the structure check by the digest check, which goes on to the next.
     assert check_digests(reader, ["shard-00002"], True).passed
+    digests = check_digests(reader, ["shard-00002", "shard-00000"], True)
+    # (a shard whose record does not match its files is not committed: no record digest to compare)
+    assert digests.evidence["mismatched"] == ["shard-00000/input_ids/c.0: sha256 or size differs from digests.json"]
 
 
 def test_evidence_keeps_the_first_50_problems(good):
@@ -364,6 +368,47 @@ def test_digest_evidence_keeps_the_first_50(tmp_path):
     check = check_digests(CacheReader(copy), ["shard-00000"], True)
     assert check.summary.endswith(": 52 mismatches")  # 51 files and the shard's digest
     assert len(check.evidence["mismatched"]) == 50
+
+
+def projected_cache(root: Path, *, basis_rank=2, basis_width=12, stored=True) -> tuple[Path, str]:
+    """A cache projected to R = 2 values a token (3 taps x 4: 12 tap values) and its basis file
+    (of `basis_rank` components of `basis_width` values), the manifest naming the basis's digest."""
+    from pipeline.projection.basis import TapBasis
+    from pipeline.projection.basis_file import store_basis
+
+    samples = [aligned_sample(distinct_ids(6, 10 * i), MASK6, seed=i) for i in range(3)]
+    for i, s in enumerate(samples):
+        s["hidden"] = np.full((6, 1, 2), 1.5 + i, np.float32)
+    cache = build(root, samples, [[0, 1, 2]], rank=2)
+    basis = TapBasis(components=torch.eye(basis_rank, basis_width), scales=torch.ones(basis_rank), energy=0.875,
+                     pilot_tokens=64)
+    if stored:
+        store_basis(open_location(cache), basis, "synthetic")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["config"]["capture"]["projection"]["digest"] = basis.digest()
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    return cache, basis.digest()
+
+
+def test_the_basis_named_by_the_manifest_is_checked_against_its_capture(tmp_path):
+    from pipeline.verify.structure_checks import check_basis
+
+    cache, digest = projected_cache(tmp_path / "good")
+    check = check_basis(CacheReader(cache))
+    assert check.passed and check.summary == (f"basis.safetensors: basis {digest[:12]} as the manifest names, 2 "
+                                              "components of 12 tap values, keeping 0.875 of the energy of a 64-token "
+                                              "pilot")
+    assert check.evidence == {"digest": digest, "rank": 2, "width": 12, "energy": 0.875, "pilot_tokens": 64}
+    cache, digest = projected_cache(tmp_path / "rank", basis_rank=3)
+    check = check_basis(CacheReader(cache))
+    assert not check.passed and check.summary == "basis.safetensors: rank 3, the manifest's capture says 2"
+    assert check.evidence == {"digest": digest}
+    cache, _ = projected_cache(tmp_path / "width", basis_width=10)
+    check = check_basis(CacheReader(cache))
+    assert not check.passed and check.summary == "basis.safetensors: width 10, the manifest's capture says 12"
+    cache, _ = projected_cache(tmp_path / "missing", stored=False)
+    check = check_basis(CacheReader(cache))
+    assert not check.passed and check.summary.startswith(f"{cache / 'basis.safetensors'}: missing")
 
 
 # ---------------------------------------------------------------------------------- provenance
@@ -460,6 +505,29 @@ def test_a_stored_mask_or_id_unlike_the_datasets_is_named(tmp_path, conversation
         f"sample 9 (shard-00001): {data}:10: input_ids differ from re-tokenization",
         f"sample 2 (shard-00000): {data}:3: loss_mask differs first at position {at}"]
     assert check.summary.startswith("12 samples re-derived from the chat template: 2 samples, e.g. sample 9")
+
+
+def test_rows_that_cannot_be_read_or_re_derived_are_named_and_the_rest_still_compared(tmp_path, tokenizer):
+    samples = simple_samples(4)
+    cache = build(tmp_path, samples, [[0, 1, 2, 3]])
+    data = tmp_path / "data.jsonl"
+    rows = data.read_text().splitlines()
+    rows[1] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    rows[2] = json.dumps({"input_ids": "not a list"})
+    rows[3] = json.dumps({"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 1, 1, 1, 1, 1]})
+    data.write_text("\n".join(rows) + "\n")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["config"]["data"]["files"][0]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    # an end of turn that closes no assistant turn of the template: a conversation row cannot be masked
+    manifest["config"]["tokenizer"]["end_of_turn"] = "<|endoftext|>"
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    check = check_loss_masks(CacheReader(cache), ["shard-00000"], tokenizer)
+    assert not check.passed and check.evidence["samples"] == 4 and check.evidence["offending_samples"] == 3
+    assert check.evidence["first_offending"] == [
+        (f"sample 1 (shard-00000): cannot be re-derived ({data}:2: assistant turn 0 is not closed by "
+         "'<|endoftext|>' in the rendering)"),
+        "sample 2 (shard-00000): row not readable in the dataset",
+        f"sample 3 (shard-00000): {data}:4: input_ids differ from re-tokenization"]
 
 
 def test_the_dataset_must_be_the_one_the_cache_was_made_with(tmp_path, conversations, tokenizer):
@@ -826,7 +894,8 @@ def fake_shard(lengths, ids=None):
 
 
 def test_a_single_tap_or_too_few_samples_are_not_judged():
-    assert TapSignatures(1).check([5]).summary == "skipped: a single tap has no step to compare"
+    single = TapSignatures(1).check([5])
+    assert single.passed and single.skipped and single.summary == "skipped: a single tap has no step to compare"
     empty = TapSignatures(3).check([1, 2, 3])
     assert empty.skipped and empty.passed and empty.summary == "skipped: 0 samples, fewer than 20"
     for count, runs in ((19, False), (20, True)):
