@@ -231,11 +231,12 @@ def copy_repository(source: Path, dest: Path, rev: str | None, also: list[str]) 
 def expand_tests(repo: Path, entries: list[str]) -> tuple[list[str], list[str]]:
     """(pytest arguments, entries missing from the copy). An entry is a test file, or
     `FILE#SECTION[,SECTION]`: the test functions of FILE under those section headers (a comment
-    line `# ---...--- SECTION`), in file order: a module's own guards, run before the rest."""
+    line `# ---...--- SECTION`), in file order: a module's own guards, run before the rest; or a
+    pytest node id (`FILE::TEST`)."""
     args, missing = [], []
     for entry in entries:
         path, _, sections = entry.partition("#")
-        if not (repo / path).is_file():
+        if not (repo / path.partition("::")[0]).is_file():
             missing.append(entry)
             continue
         if not sections:

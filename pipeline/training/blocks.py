@@ -67,7 +67,8 @@ def block_targets(target_argmax_T, loss_mask_T, anchors_A, block_size: int, gamm
 
 
 def default_gamma(block_size: int) -> float:
-    """DESIGN 3.4: 7 for B=16, 5 for B=10, 4 for B=8 (and the nearest of those otherwise)."""
+    """DESIGN 3.4: 7 for B=16, 5 for B=10, 4 for B=8 (and the nearest of those otherwise; halfway
+    between two, the larger block size's: `min` takes the first of equals, in the table's order)."""
     table = {16: 7.0, 10: 5.0, 8: 4.0}
     return table.get(block_size, table[min(table, key=lambda b: abs(b - block_size))])
 

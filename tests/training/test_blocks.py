@@ -58,6 +58,25 @@ def test_targets_and_weights():
     assert decay_weights(16, 7)[1] == 1.0 and default_gamma(16) == 7 and default_gamma(8) == 4
 
 
+def test_an_anchor_at_position_0_predicts_position_1_from_the_first_argmax():
+    argmax = torch.arange(100, 106)
+    labels, weights = block_targets(argmax, torch.ones(6, dtype=torch.long), torch.tensor([0]), B, gamma=2.0)
+    assert labels[0].tolist() == [0, 100, 101, 102]
+    assert weights[0].tolist() == pytest.approx([0, 1, math.exp(-0.5), math.exp(-1.0)])
+
+
+def test_decay_weights_by_hand():
+    assert decay_weights(4, 2.0).tolist() == pytest.approx([0, 1, math.exp(-0.5), math.exp(-1.0)])
+    assert decay_weights(3, 7.0).tolist() == pytest.approx([0, 1, math.exp(-1 / 7)])
+
+
+@pytest.mark.parametrize("block_size,gamma", [(16, 7), (10, 5), (8, 4), (12, 5), (14, 7), (6, 4), (32, 7),
+                                              (9, 5), (13, 7)])
+def test_default_gamma_is_the_nearest_tabled_and_a_tie_takes_the_larger_block(block_size, gamma):
+    # DESIGN 3.4's table; 9 and 13 lie halfway between two rows: the larger block size's gamma
+    assert default_gamma(block_size) == gamma
+
+
 def test_weighted_ce_matches_the_formula():
     logits = torch.randn(2, B, V)
     labels = torch.randint(0, V, (2, B))
