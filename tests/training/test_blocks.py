@@ -188,3 +188,13 @@ def test_a_prepared_sample_carries_the_hand_worked_targets():
                      generator=torch.Generator().manual_seed(0), soft=True)
     check_against_hand(blocks.anchors.tolist(), blocks.labels, blocks.weights, blocks.soft_ids, blocks.soft_probs)
     assert blocks.block_ids.view(-1, B)[:, 0].tolist() == [101, 102, 103, 106]   # the anchor tokens
+
+
+def test_soft_targets_of_an_anchor_at_position_0():
+    # position p stores the target's top-2 for p+1; slot k of anchor 0 takes position k-1's
+    ids = torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])
+    logits = torch.tensor([[2.0, 0.0], [1.0, 1.0], [0.0, 3.0], [4.0, 4.0]])
+    soft_ids, soft_probs = block_soft_targets(ids, logits, torch.full((4,), 5.0), torch.tensor([0]), 3)
+    assert soft_ids[0, 1:].tolist() == [[5, 6], [7, 8]]
+    e = math.exp(2.0)
+    assert soft_probs[0, 1:].tolist() == [pytest.approx([e / (e + 1), 1 / (e + 1)]), pytest.approx([0.5, 0.5])]
