@@ -46,6 +46,11 @@ def test_boundaries_system_and_multi_turn(tokenizer):
         assert tokenizer.decode(sample.input_ids[end:end + 1]) == "\n"
     header_and_prompts = [i for i, m in zip(sample.input_ids, sample.loss_mask) if not m]
     assert "You answer" in tokenizer.decode(header_and_prompts)
+    # No reasoning in these turns: every supervised token is content but the closing end of turn.
+    for start, end in spans:
+        assert sample.kinds[start:end] == ["content"] * (end - start - 1) + ["end_of_turn"]
+    assert sample.stats == {"reasoning_turns": 0, "reasoning_turns_dropped": 0, "reasoning_turns_not_rendered": 0,
+                            "tool_call_turns": 0, "tool_replies": 0}
 
 
 def test_boundaries_of_reasoning_and_a_tool_call(tokenizer):
@@ -63,6 +68,8 @@ def test_boundaries_of_reasoning_and_a_tool_call(tokenizer):
                      "Got it.\n</think>\n\n417 times 38 is 15846.<|im_end|>"]
     kinds = [k for k in sample.kinds if k]
     assert kinds[0] == "reasoning" and "tool_call" in kinds and kinds[-1] == "end_of_turn"
+    assert sample.stats == {"reasoning_turns": 2, "reasoning_turns_dropped": 0, "reasoning_turns_not_rendered": 0,
+                            "tool_call_turns": 1, "tool_replies": 1}
 
 
 def test_no_assistant_turn_means_no_supervision(tokenizer):
@@ -183,3 +190,34 @@ def test_content_that_begins_like_the_supplied_text_is_the_targets(tokenizer):
     # "<th" is not one token: the first supervised token is "<" alone.
     first = supervised_spans(sample.loss_mask)[0][0]
     assert tokenizer.decode(sample.input_ids[first:first + 1]) == "<"
+
+
+# ChatML that cannot prompt a reply straight after an assistant turn: which turns' prompts
+# `validate` renders is then visible.
+NO_PROMPT_AFTER_ASSISTANT = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{%- if messages[-1]['role'] == 'assistant' %}{{- raise_exception('no reply after an assistant turn') }}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("prompts,refused", [(None, None), ("last", 2), ("all", 2)])
+def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, prompts, refused):
+    import copy
+
+    from pipeline.data.conversations import Row
+    from pipeline.data.loss_mask import ConversationMasker
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = NO_PROMPT_AFTER_ASSISTANT
+    masker = ConversationMasker(tok, IM_END)
+    ok = Row(sample_id=0, where="d.jsonl:1", messages=CONVERSATION[1:3] + CONVERSATION[3:5])
+    masker.validate(ok, prompts=prompts)
+    # the last turn follows an assistant turn: the whole conversation renders, its prompt does not
+    row = Row(sample_id=1, where="d.jsonl:2", messages=CONVERSATION[1:3] + [{"role": "assistant", "content": "more"}])
+    if refused is None:
+        masker.validate(row, prompts=prompts)
+        return
+    with pytest.raises(PipelineError, match=rf"^d.jsonl:2 \(assistant turn {refused} of 2\): the chat template cannot "
+                                            "render the prompt for this turn \\(no reply after an assistant turn\\)$"):
+        masker.validate(row, prompts=prompts)
