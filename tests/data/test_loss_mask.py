@@ -2,10 +2,11 @@
 every conversation shape in every thinking mode of the embedded target's own template against the
 oracle written from the rule (harness/chat_shapes.py), with nothing from outside the repository."""
 
+import numpy as np
 import pytest
 from harness.chat_shapes import HEADER, REASONING_SHAPES, SHAPES, TOOL_SHAPES, WEATHER_TOOL, oracle
 
-from pipeline.data.loss_mask import tokenize_conversation
+from pipeline.data.loss_mask import mask_violations, tokenize_conversation
 from pipeline.errors import PipelineError
 from pipeline.toy.chat import IM_END
 
@@ -68,6 +69,16 @@ def test_boundaries_of_reasoning_and_a_tool_call(tokenizer):
                      "Got it.\n</think>\n\n417 times 38 is 15846.<|im_end|>"]
     kinds = [k for k in sample.kinds if k]
     assert kinds[0] == "reasoning" and "tool_call" in kinds and kinds[-1] == "end_of_turn"
+    # Each kind's tokens, per turn, decode to the text worked by hand (reasoning through </think>).
+    for (a, b), expected in zip(supervised_spans(sample.loss_mask), [
+            {"reasoning": "I use the calculator.\n</think>", "content": "\n\n", "end_of_turn": "<|im_end|>",
+             "tool_call": "<tool_call>\n<function=calculator>\n<parameter=a>\n417\n</parameter>\n<parameter=b>\n"
+                          "38\n</parameter>\n</function>\n</tool_call>"},
+            {"reasoning": "Got it.\n</think>", "content": "\n\n417 times 38 is 15846.", "end_of_turn": "<|im_end|>"}]):
+        by_kind = {}
+        for t in range(a, b):
+            by_kind.setdefault(sample.kinds[t], []).append(sample.input_ids[t])
+        assert {k: tokenizer.decode(v) for k, v in by_kind.items()} == expected
     assert sample.stats == {"reasoning_turns": 2, "reasoning_turns_dropped": 0, "reasoning_turns_not_rendered": 0,
                             "tool_call_turns": 1, "tool_replies": 1}
 
@@ -221,3 +232,60 @@ def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, promp
     with pytest.raises(PipelineError, match=rf"^d.jsonl:2 \(assistant turn {refused} of 2\): the chat template cannot "
                                             "render the prompt for this turn \\(no reply after an assistant turn\\)$"):
         masker.validate(row, prompts=prompts)
+
+
+# ------------------------------------------------------------------ the stored mask's rule check
+# mask_violations on hand-made Qwen-style tokens: a toy vocabulary whose pieces are given, so
+# every position below is worked by hand.
+PIECES = ["<|im_start|>", "<|im_end|>", "\n", "user", "assistant", "system", "hi", "x", "\nh"]
+START, END, NL, USER, ASSISTANT, SYSTEM, HI, X, NL_H = range(len(PIECES))
+NEWLINE = np.array(["\n" in p for p in PIECES])
+#            system turn 0-5                    user turn 6-11                    assistant turn 12-18
+TOKENS = [START, SYSTEM, NL, HI, END, NL, START, USER, NL, HI, END, NL, START, ASSISTANT, NL, X, X, END, NL]
+RULE = [0] * 15 + [1, 1, 1, 0]
+
+
+def violations(tokens, mask):
+    return mask_violations(tokens, mask, turn_start=START, end_of_turn=END, newline=NEWLINE,
+                           decode=lambda ids: "".join(PIECES[i] for i in ids))
+
+
+def planted(*changes):
+    mask = list(RULE)
+    for pos, value in changes:
+        mask[pos] = value
+    return mask
+
+
+def test_a_mask_that_obeys_the_rule_has_no_violation():
+    assert violations(TOKENS, RULE) == {}
+    # an assistant turn first (its role read from the tokens after position 0)
+    assert violations(TOKENS[12:], RULE[12:]) == {}
+
+
+@pytest.mark.parametrize("changes,found", [
+    ([(13, 1)], {"assistant header supervised": 13}),
+    ([(14, 1)], {"assistant header supervised": 14}),              # the header's own newline
+    ([(8, 1)], {"user header supervised": 8}),
+    ([(9, 1)], {"user turn supervised": 9}),                       # the turn's first token
+    ([(3, 1), (9, 1)], {"system turn supervised": 3, "user turn supervised": 9}),
+    ([(17, 0)], {"end-of-turn token not supervised": 17}),
+    ([(18, 1)], {"supervised token outside any turn": 18}),
+    ([(5, 1), (18, 1)], {"supervised token outside any turn": 5}),  # the first of two
+])
+def test_each_violation_is_named_at_its_first_position(changes, found):
+    assert violations(TOKENS, planted(*changes)) == found
+
+
+def test_a_header_token_that_carries_generated_text_follows_the_straddling_rule():
+    # "<|im_start|>assistant" then "\nh": the newline ends the header, the "h" after it is generated
+    tokens = [START, USER, NL, HI, END, NL, START, ASSISTANT, NL_H, X, END]
+    assert violations(tokens, [0] * 8 + [1, 1, 1]) == {}
+    assert violations(tokens, [0] * 7 + [1, 1, 1, 1]) == {"assistant header supervised": 7}
+
+
+def test_an_empty_turn_closes_at_the_end_of_turn_right_after_its_header():
+    # an empty assistant turn (its end-of-turn supervised), then a user turn
+    tokens = [START, ASSISTANT, NL, END, NL, START, USER, NL, HI, END]
+    assert violations(tokens, [0, 0, 0, 1, 0, 0, 0, 0, 0, 0]) == {}
+    assert violations(tokens, [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]) == {"supervised token outside any turn": 4}
