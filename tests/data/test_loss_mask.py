@@ -184,6 +184,34 @@ def test_reasoning_with_thinking_off_by_policy(tokenizer, policy, texts):
     kwargs, _ = EMBEDDED_MODES["no_thinking"]
     sample = tokenize_conversation(tokenizer, SHAPES["reasoning_in_both"], IM_END, reasoning=policy, **kwargs)
     assert [tokenizer.decode(sample.input_ids[a:b]) for a, b in supervised_spans(sample.loss_mask)] == texts
+    # Kept, the history turn's reasoning is a field the template leaves out: counted as not rendered.
+    assert sample.stats == {"reasoning_turns": 2, "reasoning_turns_dropped": 2 if policy == "drop" else 0,
+                            "reasoning_turns_not_rendered": 0 if policy == "drop" else 1,
+                            "tool_call_turns": 0, "tool_replies": 0}
+
+
+def test_reasoning_written_inline_is_dropped_to_the_answer_after_the_last_close():
+    from pipeline.data.loss_mask import without_reasoning
+    turn = {"role": "assistant", "content": "<think>\nplan</think>x</think>\n\n5.", "reasoning_content": "r"}
+    assert without_reasoning(turn) == {"role": "assistant", "content": "5."}
+    assert without_reasoning({"role": "assistant", "content": "\n5."}) == {"role": "assistant", "content": "\n5."}
+    assert without_reasoning({"role": "assistant", "content": None}) == {"role": "assistant", "content": None}
+
+
+def test_the_generation_prompt_is_the_header_line_then_what_it_supplies(tokenizer):
+    from pipeline.data.loss_mask import generation_prompt
+    for mode, (kwargs, supplied) in EMBEDDED_MODES.items():
+        prompt = generation_prompt(tokenizer, kwargs)
+        assert (prompt.header, prompt.supplied, prompt.thinking) == ("<|im_start|>assistant\n", supplied,
+                                                                     mode != "no_thinking")
+    assert generation_prompt(tokenizer, {"enable_thinking": False}).supplied_lines == [
+        "<think>\n\n</think>\n\n", "<think>\n\n</think>\n", "<think>\n\n", "<think>\n"]
+
+
+def test_a_turn_closed_only_after_the_next_header_is_refused(tokenizer):
+    # "r-i-v" is in the last turn only: the first turn's close lies past the second turn's header
+    with pytest.raises(PipelineError, match=r"^conversation: assistant turn 0 is not closed by 'r-i-v' in the rendering$"):
+        tokenize_conversation(tokenizer, CONVERSATION, "r-i-v", enable_thinking=False)
 
 
 def test_content_that_begins_like_the_supplied_text_is_the_targets(tokenizer):
@@ -193,11 +221,14 @@ def test_content_that_begins_like_the_supplied_text_is_the_targets(tokenizer):
     last turn starts after the supplied `<think>\\n`, its straddling `\\n\\n` supervised. Worked by hand."""
     conversation = [{"role": "user", "content": "Which tag makes a table header?"},
                     {"role": "assistant", "content": "<th> is a table header."},
+                    {"role": "user", "content": "And the tag <think>?"},
+                    {"role": "assistant", "content": "<think> is no HTML tag."},
                     {"role": "user", "content": "And a cell?"},
                     {"role": "assistant", "content": "<td> is a cell."}]
     sample = tokenize_conversation(tokenizer, conversation, IM_END)
     assert [tokenizer.decode(sample.input_ids[a:b]) for a, b in supervised_spans(sample.loss_mask)] == \
-        ["<th> is a table header.<|im_end|>", "\n\n</think>\n\n<td> is a cell.<|im_end|>"]
+        ["<th> is a table header.<|im_end|>", "<think> is no HTML tag.<|im_end|>",
+         "\n\n</think>\n\n<td> is a cell.<|im_end|>"]
     # "<th" is not one token: the first supervised token is "<" alone.
     first = supervised_spans(sample.loss_mask)[0][0]
     assert tokenizer.decode(sample.input_ids[first:first + 1]) == "<"
