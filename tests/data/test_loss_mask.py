@@ -320,3 +320,16 @@ def test_an_empty_turn_closes_at_the_end_of_turn_right_after_its_header():
     tokens = [START, ASSISTANT, NL, END, NL, START, USER, NL, HI, END]
     assert violations(tokens, [0, 0, 0, 1, 0, 0, 0, 0, 0, 0]) == {}
     assert violations(tokens, [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]) == {"supervised token outside any turn": 4}
+
+
+def test_the_rendering_is_tokenized_as_it_is_without_special_tokens_added(tokenizer):
+    """The template writes whatever special tokens the conversation has: a tokenizer that would put
+    a BOS in front of text it is given adds none here (offsets and mask stay the rendering's)."""
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.bos_token, tok.add_bos_token = "<|endoftext|>", True
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id        # the tokenizer would add one
+    sample = tokenize_conversation(tok, CONVERSATION, IM_END, enable_thinking=False)
+    plain = tokenize_conversation(tokenizer, CONVERSATION, IM_END, enable_thinking=False)
+    assert (sample.input_ids, sample.loss_mask) == (plain.input_ids, plain.loss_mask)
+    assert sample.input_ids[0] != tok.bos_token_id
