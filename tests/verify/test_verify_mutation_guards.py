@@ -642,6 +642,16 @@ def test_aligned_labels_pass_at_every_window_size(tmp_path, windows):
     assert topk.passed and topk.summary == "36 tokens: argmax_not_top1 0, logits_not_sorted 0, logsumexp_below_max 0"
 
 
+def test_position_0_has_no_label_at_any_shift(tmp_path):
+    # Supervised from position 0, and the argmax at 0 is the token at 0 (a hit at shift +1 there):
+    # nothing predicts position 0, so no shift counts it. By hand: shift 0 hits t = 2..5 of 1..5
+    # (t = 1 reads argmax[0] = ids[0]), shifts -1 and +1 none.
+    sample = labelled(distinct_ids(6, 0), [1] * 6, [0, 1, 1, 1, 1, 1])
+    labels, _ = alignment(tmp_path, [sample], [[0]])
+    assert labels.passed and labels.evidence["rates_by_shift"] == {"-1": 0.0, "0": 0.8, "1": 0.0}
+    assert labels.evidence["supervised_positions"] == 5
+
+
 def test_topk_faults_are_counted_and_their_samples_named(tmp_path, windows):
     samples = aligned_cache_samples()
     for i in (0, 1, 4):
