@@ -1,7 +1,7 @@
 """`pipeline verify-cache` on a projected cache (extract --project-taps R): a sound one passes with
 --recompute (its rows against the projection of a fresh forward's taps), the checks that need a
 stored tap say why they are skipped, and planted faults are named: rows a position late, rows of
-the taps one layer early, NaN in a row, a missing or replaced basis.safetensors."""
+the taps one layer early or late, NaN in a row, a missing or replaced basis.safetensors."""
 
 import json
 import shutil
@@ -102,21 +102,24 @@ def test_rows_a_position_late_are_named_with_the_shift(damaged):
     assert check["evidence"]["best_position_shift"]["1"] >= 1
 
 
-def test_rows_of_the_taps_one_layer_early_are_named(damaged, target):
+@pytest.mark.parametrize("offset", [-1, 1], ids=["early", "late"])
+def test_rows_of_the_taps_one_layer_off_are_named(damaged, target, offset):
     basis = cache_basis(open_cache(damaged))
     taps = open_cache(damaged).manifest.identity.capture.target_layer_ids
+    assert max(taps) + 1 + offset < 9       # the tiny target's 8 layers: hidden_states[0..8]
 
-    def one_layer_early(sid, z, ids):
+    def one_layer_off(sid, z, ids):
         with torch.no_grad():
             states = target(input_ids=torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
-        return basis.project_taps(torch.stack([states[t][0] for t in taps], dim=1))  # hidden_states[tap], not [tap+1]
+        # hidden_states[tap] or [tap + 2], not [tap + 1]
+        return basis.project_taps(torch.stack([states[t + 1 + offset][0] for t in taps], dim=1))
 
     for shard in ("shard-00000", "shard-00001", "shard-00002"):
-        rewrite_hidden(damaged, shard, one_layer_early)
+        rewrite_hidden(damaged, shard, one_layer_off)
     report = run_verify(VerifyOptions(cache=damaged, recompute=2))
     check = checks_of(report)["recompute"]
-    assert check["status"] == "fail" and "one layer off (hidden_states[tap+1-1]" in check["summary"], check
-    assert check["evidence"]["best_layer_offset"] == {"-1": 4}
+    assert check["status"] == "fail" and f"one layer off (hidden_states[tap+1{offset:+d}]" in check["summary"], check
+    assert check["evidence"]["best_layer_offset"] == {f"{offset}": 4}
 
 
 def test_nan_in_a_projected_row_is_counted_for_the_row(damaged):

@@ -1228,11 +1228,16 @@ def test_the_tail_rate_checks_the_samples_whose_draw_is_below_it(tmp_path, targe
     from pipeline.verify.model_checks import check_tail
 
     good = model_cache(tmp_path, forward_samples)
-    rate = random.Random(3).random()   # the first sample's draw equals the rate: it is not checked
-    rng = random.Random(3)
-    expected = sum(rng.random() < rate for _ in range(4))
-    check = check_tail(CacheReader(good), ["shard-00000", "shard-00001"], target, rate, 3)
-    assert check.evidence["samples"] == expected and check.evidence["rate"] == rate
+    # Seed 4 draws 0.236, 0.103, 0.396, 0.155: at the first draw's rate, the first sample (a draw equal
+    # to the rate) and the third are not checked, the second and fourth are.
+    rate = random.Random(4).random()
+    rng = random.Random(4)
+    assert [rng.random() < rate for _ in range(4)] == [False, True, False, True]
+    check = check_tail(CacheReader(good), ["shard-00000", "shard-00001"], target, rate, 4)
+    assert check.evidence["samples"] == 2 and check.evidence["rate"] == rate
+    none = check_tail(CacheReader(good), ["shard-00000", "shard-00001"], target, 0.0, 4)
+    # nothing checked: every worst figure is still the 0 it starts from
+    assert none.evidence["samples"] == 0 and none.evidence["worst"] == {"argmax": 0.0, "topk": 0.0, "logsumexp": 0.0}
 
 
 def test_the_fp8_tail_tolerances_are_the_measured_ones(tmp_path, target, forward_samples):
@@ -1242,6 +1247,16 @@ def test_the_fp8_tail_tolerances_are_the_measured_ones(tmp_path, target, forward
     reader.hidden_format = "fp8"   # the tolerance band is chosen by the cache's format
     assert check_tail(reader, [], target, 1.0, 0).evidence["tolerance"] == {"argmax": 0.5, "topk": 1.5,
                                                                              "logsumexp": 0.6}
+
+
+def test_the_full_recompute_of_a_projected_cache_without_its_basis_is_skipped_saying_why(tmp_path):
+    from pipeline.verify.model_checks import check_recompute
+
+    cache, _ = projected_cache(tmp_path, stored=False)
+    # the basis is looked for before anything is run: no model needed to say why nothing can be
+    check = check_recompute(CacheReader(cache), [("shard-00000", 0)], None, 0.02)
+    assert check.passed and check.skipped
+    assert check.summary.startswith(f"skipped: {cache / 'basis.safetensors'}: missing")
 
 
 def test_the_full_recompute_passes_a_sound_cache_and_names_a_layer_before(tmp_path, target, forward_samples):
