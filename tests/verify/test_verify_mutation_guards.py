@@ -1185,6 +1185,8 @@ def test_the_tail_recompute_reproduces_a_sound_cache_and_names_a_sample_from_the
     assert (check.evidence["layers_run"], check.evidence["num_hidden_layers"], check.evidence["layer_fraction"]) == (2, 8, 0.25)
     assert 0 <= check.evidence["seconds"] <= wall
     assert all(0 <= v < 0.05 for v in check.evidence["worst"].values()), check.evidence["worst"]
+    # the stored tap is rounded to bf16: the recompute's logits differ a little, and the worst says so
+    assert check.evidence["worst"]["topk"] > 0 and check.evidence["worst"]["logsumexp"] > 0
     assert check.summary.startswith(f"4 samples, {tokens} tokens: layers 6..7 + norm + lm_head from the stored tap 5 "
                                     "(2 of 8 layers) reproduce the stored predictions; worst argmax shortfall ")
     assert "(tolerance 0.1/0.25/0.15)" in check.summary
@@ -1201,6 +1203,8 @@ def test_the_tail_recompute_reproduces_a_sound_cache_and_names_a_sample_from_the
         named = check.evidence["first_offending"][0]
         assert named.startswith("sample 2 (shard-00001): ")
         assert check.summary.startswith("4 samples: 1 samples, e.g. sample 2 (shard-00001): ")
+        # the worst figures are the offending sample's: above the smallest tolerance
+        assert max(check.evidence["worst"].values()) > 0.1, check.evidence["worst"]
         for position in re.findall(r"at position (-?\d+)", named):
             assert 0 <= int(position) < len(forward_samples[2]["input_ids"])
 
@@ -1240,6 +1244,20 @@ def test_the_tail_rate_checks_the_samples_whose_draw_is_below_it(tmp_path, targe
     assert none.evidence["samples"] == 0 and none.evidence["worst"] == {"argmax": 0.0, "topk": 0.0, "logsumexp": 0.0}
 
 
+def test_the_tail_recompute_checks_what_it_read_before_an_undecodable_chunk(tmp_path, target, forward_samples):
+    from pipeline.verify.model_checks import check_tail
+
+    cache = model_cache(tmp_path, forward_samples)
+    path = cache / "shard-00001" / "target_argmax" / "c.0"
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    # shard-00001's predictions cannot be read (the checksum check names the chunk): shard-00000's
+    # two samples are still checked
+    check = check_tail(CacheReader(cache), ["shard-00000", "shard-00001"], target, 1.0, 0)
+    assert check.passed and check.evidence["samples"] == 2
+
+
 def test_the_fp8_tail_tolerances_are_the_measured_ones(tmp_path, target, forward_samples):
     from pipeline.verify.model_checks import check_tail
 
@@ -1257,6 +1275,16 @@ def test_the_full_recompute_of_a_projected_cache_without_its_basis_is_skipped_sa
     check = check_recompute(CacheReader(cache), [("shard-00000", 0)], None, 0.02)
     assert check.passed and check.skipped
     assert check.summary.startswith(f"skipped: {cache / 'basis.safetensors'}: missing")
+
+
+def test_the_full_recompute_of_a_one_token_sample(tmp_path, target, forward_samples):
+    from pipeline.verify.model_checks import check_recompute
+
+    one = {k: (v[:, :1] if k == "states" else v[:1]) for k, v in forward_samples[0].items()}
+    cache = model_cache(tmp_path, [one, *forward_samples[1:]])
+    check = check_recompute(CacheReader(cache), [("shard-00000", 0)], target, 0.02)
+    assert "argmax agree 1.0000, top-k agree 1.0000; " in check.summary
+    assert check.evidence["argmax_agreement"] == 1.0 and check.evidence["topk_agreement"] == 1.0
 
 
 def test_the_full_recompute_passes_a_sound_cache_and_names_a_layer_before(tmp_path, target, forward_samples):
