@@ -244,8 +244,8 @@ NO_PROMPT_AFTER_ASSISTANT = (
 )
 
 
-@pytest.mark.parametrize("prompts,refused", [(None, None), ("last", 2), ("all", 2)])
-def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, prompts, refused):
+@pytest.mark.parametrize("prompts,refused,middle", [(None, None, None), ("last", 2, None), ("all", 2, 2)])
+def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, prompts, refused, middle):
     import copy
 
     from pipeline.data.conversations import Row
@@ -259,9 +259,16 @@ def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, promp
     row = Row(sample_id=1, where="d.jsonl:2", messages=CONVERSATION[1:3] + [{"role": "assistant", "content": "more"}])
     if refused is None:
         masker.validate(row, prompts=prompts)
+    else:
+        with pytest.raises(PipelineError, match=rf"^d.jsonl:2 \(assistant turn {refused} of 2\): the chat template cannot "
+                                                "render the prompt for this turn \\(no reply after an assistant turn\\)$"):
+            masker.validate(row, prompts=prompts)
+    # the middle one of three turns cannot be prompted: only "all" renders it
+    row = Row(sample_id=2, where="d.jsonl:3", messages=row.messages + CONVERSATION[3:5])
+    if middle is None:
+        masker.validate(row, prompts=prompts)
         return
-    with pytest.raises(PipelineError, match=rf"^d.jsonl:2 \(assistant turn {refused} of 2\): the chat template cannot "
-                                            "render the prompt for this turn \\(no reply after an assistant turn\\)$"):
+    with pytest.raises(PipelineError, match=rf"^d.jsonl:3 \(assistant turn {middle} of 3\)"):
         masker.validate(row, prompts=prompts)
 
 
@@ -296,6 +303,8 @@ def test_a_mask_that_obeys_the_rule_has_no_violation():
 
 @pytest.mark.parametrize("changes,found", [
     ([(13, 1)], {"assistant header supervised": 13}),
+    ([(14, 1), (15, 0), (16, 0), (17, 0)], {"assistant header supervised": 14}),   # the header alone
+    ([(10, 1)], {"user turn supervised": 10}),                     # the turn's own end of turn
     ([(14, 1)], {"assistant header supervised": 14}),              # the header's own newline
     ([(8, 1)], {"user header supervised": 8}),
     ([(9, 1)], {"user turn supervised": 9}),                       # the turn's first token
@@ -313,6 +322,21 @@ def test_a_header_token_that_carries_generated_text_follows_the_straddling_rule(
     tokens = [START, USER, NL, HI, END, NL, START, ASSISTANT, NL_H, X, END]
     assert violations(tokens, [0] * 8 + [1, 1, 1]) == {}
     assert violations(tokens, [0] * 7 + [1, 1, 1, 1]) == {"assistant header supervised": 7}
+
+
+def test_a_one_token_answer_without_its_end_of_turn_is_named():
+    tokens = [START, USER, NL, HI, END, NL, START, ASSISTANT, NL, X, END]
+    assert violations(tokens, [0] * 9 + [1, 1]) == {}
+    assert violations(tokens, [0] * 9 + [1, 0]) == {"end-of-turn token not supervised": 10}
+
+
+@pytest.mark.parametrize("cut", [14, 13, 16])
+def test_a_sample_truncated_in_a_header_or_a_turn_is_judged_on_what_it_holds(cut):
+    # max_length cuts the assistant turn: after its header's newline (no end of turn follows), or
+    # inside its header (no newline follows its start)
+    assert violations(TOKENS[:cut], RULE[:cut]) == {}
+    if cut == 16:
+        assert violations(TOKENS[:cut], planted((13, 1))[:cut]) == {"assistant header supervised": 13}
 
 
 def test_an_empty_turn_closes_at_the_end_of_turn_right_after_its_header():
@@ -333,3 +357,50 @@ def test_the_rendering_is_tokenized_as_it_is_without_special_tokens_added(tokeni
     plain = tokenize_conversation(tokenizer, CONVERSATION, IM_END, enable_thinking=False)
     assert (sample.input_ids, sample.loss_mask) == (plain.input_ids, plain.loss_mask)
     assert sample.input_ids[0] != tok.bos_token_id
+
+
+# ChatML without a newline between turns: the text ends with the last turn's end of turn.
+NO_NEWLINES = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Thinking on, the reasoning empty: the prompt supplies `<think>\n`, the turn then closes the block
+# at once, so the target's text starts with `</think>`.
+THINK_CLOSED_AT_ONCE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n<think>\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template,texts", [
+    (NO_NEWLINES, {"content": "2 plus 3 is 5.", "end_of_turn": "<|im_end|>"}),
+    (THINK_CLOSED_AT_ONCE, {"reasoning": "</think>", "content": "\n\n2 plus 3 is 5.", "end_of_turn": "<|im_end|>"}),
+], ids=["text-ends-with-the-turn", "turn-starts-with-the-close"])
+def test_each_kind_of_a_turn_at_an_edge_of_the_text(tokenizer, template, texts):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    sample = tokenize_conversation(tok, CONVERSATION[1:3], IM_END)
+    (a, b), = supervised_spans(sample.loss_mask)
+    by_kind = {}
+    for t in range(a, b):
+        by_kind.setdefault(sample.kinds[t], []).append(sample.input_ids[t])
+    assert {k: tok.decode(v) for k, v in by_kind.items()} == texts
+
+
+@pytest.mark.parametrize("template", [
+    "{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}",      # no prompt at all
+    "{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant:' }}{%- else %}{{- '.' }}{%- endif %}",     # not after the rest
+], ids=["adds-nothing", "not-a-suffix"])
+def test_a_template_without_a_generation_prompt_after_the_conversation_is_refused(tokenizer, template):
+    import copy
+
+    from pipeline.data.loss_mask import generation_prompt
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    with pytest.raises(PipelineError, match="^the chat template adds no generation prompt after a user turn"):
+        generation_prompt(tok, {})
