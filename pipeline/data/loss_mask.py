@@ -268,8 +268,8 @@ def mask_violations(input_ids, loss_mask, *, turn_start: int, end_of_turn: int, 
     """Where a stored mask breaks the rule, for Qwen-style chat tokens (<|im_start|>role\n ...
     <|im_end|>). Returns {violation: first position}; empty when the mask obeys DESIGN 3.5:
     headers and non-assistant turns unsupervised, each supervised assistant turn closed by a
-    supervised end-of-turn, nothing supervised outside a turn. `newline[id]`: the token holds a
-    newline (see newline_tokens). Work is per turn, not per token."""
+    supervised end-of-turn (unless the sample ends first), nothing supervised outside a turn.
+    `newline[id]`: the token holds a newline (see newline_tokens). Work is per turn, not per token."""
     ids, mask = np.asarray(input_ids), np.asarray(loss_mask).astype(bool)
     n = len(ids)
     found: dict[str, int] = {}
@@ -305,6 +305,10 @@ def mask_violations(input_ids, loss_mask, *, turn_start: int, end_of_turn: int, 
             note(f"{role} turn supervised", pos)
         if role == "assistant" and closed and not mask[end] and first(header_end + 1, end) is not None:
             note("end-of-turn token not supervised", end)
+        # A supervised answer that the next turn's start interrupts (a pre-tokenized row): the target
+        # would never be taught to end it. A sample cut by max_length (end == n) is not this.
+        if role == "assistant" and not closed and end < n and first(header_end + 1, end) is not None:
+            note("assistant turn not closed by the end-of-turn token", end)
     outside = np.flatnonzero(mask & ~covered)
     if len(outside):
         note("supervised token outside any turn", int(outside[0]))

@@ -312,6 +312,7 @@ def test_a_mask_that_obeys_the_rule_has_no_violation():
     ([(17, 0)], {"end-of-turn token not supervised": 17}),
     ([(18, 1)], {"supervised token outside any turn": 18}),
     ([(5, 1), (18, 1)], {"supervised token outside any turn": 5}),  # the first of two
+    ([(13, 1), (14, 1)], {"assistant header supervised": 13}),     # the first of two in one turn
 ])
 def test_each_violation_is_named_at_its_first_position(changes, found):
     assert violations(TOKENS, planted(*changes)) == found
@@ -337,6 +338,18 @@ def test_a_sample_truncated_in_a_header_or_a_turn_is_judged_on_what_it_holds(cut
     assert violations(TOKENS[:cut], RULE[:cut]) == {}
     if cut == 16:
         assert violations(TOKENS[:cut], planted((13, 1))[:cut]) == {"assistant header supervised": 13}
+
+
+def test_a_sample_cut_right_after_a_turn_start_names_that_start_supervised():
+    # the role is cut off, so the header is named with an empty role
+    assert violations(TOKENS[:13], planted((12, 1))[:13]) == {" header supervised": 12}
+
+
+def test_an_answer_that_the_next_turn_interrupts_is_named():
+    # a pre-tokenized row: the assistant turn has no end of turn before the next turn starts
+    tokens = [START, USER, NL, HI, END, NL, START, ASSISTANT, NL, X, NL, START, USER, NL, HI, END]
+    mask = [0] * 9 + [1, 1] + [0] * 5
+    assert violations(tokens, mask) == {"assistant turn not closed by the end-of-turn token": 11}
 
 
 def test_an_empty_turn_closes_at_the_end_of_turn_right_after_its_header():
@@ -389,6 +402,38 @@ def test_each_kind_of_a_turn_at_an_edge_of_the_text(tokenizer, template, texts):
     for t in range(a, b):
         by_kind.setdefault(sample.kinds[t], []).append(sample.input_ids[t])
     assert {k: tok.decode(v) for k, v in by_kind.items()} == texts
+
+
+def test_a_row_the_template_refuses_is_named_with_the_first_line_of_its_error(tokenizer):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{%- for m in messages %}{%- if m['content'] == 'boom' %}{{- raise_exception('no boom here"
+                         "\\nsecond line') }}{%- endif %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                         "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                         "{%- endif %}")
+    with pytest.raises(PipelineError, match=r"^conversation: the chat template refuses this row \(no boom here\)$"):
+        tokenize_conversation(tok, [CONVERSATION[1], {"role": "assistant", "content": "boom"}], IM_END)
+
+
+def test_thinking_is_on_unless_the_prompt_closes_the_block_or_the_option_turns_it_off(tokenizer):
+    import copy
+
+    from pipeline.data.loss_mask import generation_prompt
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = NO_PROMPT_AFTER_ASSISTANT      # plain ChatML: supplies nothing, knows no option
+    assert generation_prompt(tok, {}).thinking is True
+    assert generation_prompt(tok, {"enable_thinking": False}).thinking is False
+
+
+def test_a_tool_call_that_starts_the_targets_text_is_all_tool_call(tokenizer):
+    """Thinking off, an answer that is only a tool call: the prompt supplies the empty think block,
+    so the target's text starts at `<tool_call>`."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"a": 1, "b": 2}}}
+    conversation = [{"role": "user", "content": "1 plus 2?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    sample = tokenize_conversation(tokenizer, conversation, IM_END, tools=[], enable_thinking=False)
+    (a, b), = supervised_spans(sample.loss_mask)
+    assert tokenizer.decode(sample.input_ids[a:a + 1]) == "<tool_call>"
+    assert sample.kinds[a:b] == ["tool_call"] * (b - a - 1) + ["end_of_turn"]
 
 
 @pytest.mark.parametrize("template", [
