@@ -434,7 +434,7 @@ def load_equivalents(path: Path) -> list[dict]:
 
 
 def equivalent_reason(module: str, operator: str, diff: str, entries: list[dict]) -> str | None:
-    removed, added = changed_lines(diff)
+    removed, added = (re.sub(r"\s+", "", x) for x in changed_lines(diff))   # a removed decorator spans lines
     context = {re.sub(r"\s+", "", line) for line in diff.splitlines() if line.startswith(" ")}
     for e in entries:
         if e["module"] == module and e.get("operator", operator) == operator \

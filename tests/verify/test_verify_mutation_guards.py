@@ -1125,6 +1125,18 @@ def test_stratified_picks_cover_every_shard_the_longest_and_the_truncated(seed):
         if n >= 4:
             assert ("b", 10) in picks                                   # the truncated ones
     assert sorted(picks_of({"a": [2, 3]}, 0, 9, seed)) == [("a", 0), ("a", 1)]   # budget 2 for one shard
+    # the longest and the truncated in one shard: every shard is still picked first, in order
+    assert [p[0] for p in picks_of({"a": [3, 9, 4, 4], "b": [2, 2, 2], "c": [2] * 30}, 8, 9, seed)[:3]] == ["a", "b", "c"]
+
+
+def test_stratified_picks_are_reproduced_by_their_seed():
+    # verify-cache's report names its picks: the same seed picks them again (values as drawn by this
+    # version; a change in how they are drawn shows here)
+    lengths = {"a": [3, 9, 4, 4], "b": [2, 2, 2], "c": [2] * 30}
+    assert picks_of(lengths, 8, 9, 0) == [("a", 3), ("b", 1), ("c", 1), ("a", 1), ("c", 9), ("c", 25), ("c", 24),
+                                          ("c", 18)]
+    assert picks_of(lengths, 8, 9, 1) == [("a", 1), ("b", 2), ("c", 27), ("b", 0), ("c", 9), ("c", 0), ("c", 24),
+                                          ("c", 21)]
 
 
 # ------------------------------------------------------------------- model checks with the target
@@ -1223,7 +1235,7 @@ def test_tail_errors_keep_each_kinds_worst_position_across_logit_chunks(target, 
     (worst,) = tail_errors(target, target.lm_head, 5, [sample], logits_chunk=16)
     assert worst["logsumexp"][1] == 33 and worst["logsumexp"][0] == pytest.approx(0.5, abs=1e-3)
     assert worst["topk"][1] == 20 and worst["topk"][0] == pytest.approx(0.75, abs=1e-3)
-    assert worst["argmax"][0] == 0.0
+    assert worst["argmax"] == (0.0, -1)         # no argmax error anywhere: no position named
 
 
 def test_the_tail_rate_checks_the_samples_whose_draw_is_below_it(tmp_path, target, forward_samples):
@@ -1275,6 +1287,40 @@ def test_the_full_recompute_of_a_projected_cache_without_its_basis_is_skipped_sa
     check = check_recompute(CacheReader(cache), [("shard-00000", 0)], None, 0.02)
     assert check.passed and check.skipped
     assert check.summary.startswith(f"skipped: {cache / 'basis.safetensors'}: missing")
+
+
+def test_the_full_recompute_counts_agreement_over_every_position(tmp_path, target, forward_samples):
+    from pipeline.verify.model_checks import check_recompute
+
+    planted = {k: v.copy() if k != "states" else v for k, v in forward_samples[0].items()}
+    # position 7: the stored argmax and top-k taken from the second-best logit; by hand: 39 of 40 agree
+    planted["target_argmax"][7] = planted["target_topk_ids"][7, 1]
+    planted["target_topk_ids"][7] = planted["target_topk_ids"][7, [1, 0, 2]]
+    cache = model_cache(tmp_path, [planted, *forward_samples[1:]])
+    check = check_recompute(CacheReader(cache), [("shard-00000", 0)], target, 0.02)
+    assert len(planted["input_ids"]) == 40
+    assert check.evidence["argmax_agreement"] == 39 / 40 and check.evidence["topk_agreement"] == 39 / 40
+    assert "argmax agree 0.9750, top-k agree 0.9750; " in check.summary
+    assert not check.passed and check.evidence["argmax_shortfall"] > 0
+
+
+def test_the_full_recompute_in_bf16_widens_the_argmax_tolerance_4x(tmp_path, target, forward_samples):
+    import copy
+
+    from pipeline.verify.model_checks import check_recompute
+
+    cache = model_cache(tmp_path, forward_samples)
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    check = check_recompute(CacheReader(cache), [("shard-00000", 0)], bf16, 0.08)
+    assert check.evidence["argmax_shortfall_tolerance"] == 0.4      # bf16's 0.1, 4x
+
+
+def test_the_tail_recompute_of_a_projected_cache_is_skipped_saying_why(tmp_path):
+    from pipeline.verify.model_checks import check_tail
+
+    cache, _ = projected_cache(tmp_path)
+    check = check_tail(CacheReader(cache), ["shard-00000"], None, 1.0, 0)   # said before any model is needed
+    assert check.passed and check.skipped and check.summary.startswith("skipped: projected cache: the deepest tap")
 
 
 def test_the_full_recompute_of_a_one_token_sample(tmp_path, target, forward_samples):
