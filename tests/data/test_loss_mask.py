@@ -350,6 +350,9 @@ def test_an_answer_that_the_next_turn_interrupts_is_named():
     tokens = [START, USER, NL, HI, END, NL, START, ASSISTANT, NL, X, NL, START, USER, NL, HI, END]
     mask = [0] * 9 + [1, 1] + [0] * 5
     assert violations(tokens, mask) == {"assistant turn not closed by the end-of-turn token": 11}
+    # its first token alone supervised: still named; its header alone: a header violation only
+    assert violations(tokens, [0] * 9 + [1] + [0] * 6) == {"assistant turn not closed by the end-of-turn token": 11}
+    assert violations(tokens, [0] * 8 + [1] + [0] * 7) == {"assistant header supervised": 8}
 
 
 def test_an_empty_turn_closes_at_the_end_of_turn_right_after_its_header():
