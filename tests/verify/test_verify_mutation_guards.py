@@ -1289,7 +1289,8 @@ def test_the_full_recompute_of_a_projected_cache_without_its_basis_is_skipped_sa
     assert check.summary.startswith(f"skipped: {cache / 'basis.safetensors'}: missing")
 
 
-def test_the_full_recompute_counts_agreement_over_every_position(tmp_path, target, forward_samples):
+def test_the_full_recompute_counts_agreement_over_every_position(tmp_path, target, forward_samples, monkeypatch):
+    from pipeline.verify import model_checks
     from pipeline.verify.model_checks import check_recompute
 
     planted = {k: v.copy() if k != "states" else v for k, v in forward_samples[0].items()}
@@ -1302,6 +1303,12 @@ def test_the_full_recompute_counts_agreement_over_every_position(tmp_path, targe
     assert check.evidence["argmax_agreement"] == 39 / 40 and check.evidence["topk_agreement"] == 39 / 40
     assert "argmax agree 0.9750, top-k agree 0.9750; " in check.summary
     assert not check.passed and check.evidence["argmax_shortfall"] > 0
+    # a shortfall exactly at the argmax tolerance passes (the band is inclusive), just above it fails
+    shortfall = check.evidence["argmax_shortfall"]
+    for tolerance, passed in ((shortfall, True), (float(np.nextafter(shortfall, 0)), False)):
+        monkeypatch.setitem(model_checks.TAIL_TOLERANCE, "bf16", {**model_checks.TAIL_TOLERANCE["bf16"],
+                                                                  "argmax": tolerance})
+        assert check_recompute(CacheReader(cache), [("shard-00000", 0)], target, 0.02).passed is passed
 
 
 def test_the_full_recompute_in_bf16_widens_the_argmax_tolerance_4x(tmp_path, target, forward_samples):
@@ -1348,8 +1355,15 @@ def test_the_full_recompute_passes_a_sound_cache_and_names_a_layer_before(tmp_pa
     assert check.evidence["samples"] == 2 and 0 < check.evidence["max_rel"] < 0.02
     assert check.evidence["best_hidden_state_index"] == {"1": {"2": 2}, "3": {"4": 2}, "5": {"6": 2}}
 
+    assert "drift between kernel paths" not in check.summary        # recorded with the path it runs now
+    # the tolerances are inclusive: an error exactly at either passes
+    exact = check_recompute(CacheReader(good), picks, target, check.evidence["max_rel"])
+    assert exact.passed and exact.evidence["max_rel"] == check.evidence["max_rel"]
+
     early = model_cache(tmp_path / "early", forward_samples, layer_of=lambda i, tap: tap)
     check = check_recompute(CacheReader(early), picks, target, 0.02)
     assert not check.passed
     assert check.summary.startswith("taps match the wrong layers: tap 1 -> hidden_states[1], tap 3 -> hidden_states[3], "
                                     "tap 5 -> hidden_states[5]")
+    # wrong layers fail whatever the tolerance allows
+    assert not check_recompute(CacheReader(early), picks, target, 1e9).passed
