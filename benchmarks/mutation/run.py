@@ -2,7 +2,7 @@
 many of cosmic-ray's mutants the mapped tests kill, which are equivalent and why, which survive.
 
     python benchmarks/mutation/run.py [MODULE ...] [--work DIR] [--source DIR] [--rev REV [--also PATH ...]]
-        [--tests FILE[#SECTION] ...] [--sample N] [--seed 0] [--survivors-only] [--fresh]
+        [--tests FILE[#SECTION] | FILE::TEST ...] [--sample N] [--seed 0] [--survivors-only] [--fresh]
         [--timeout-factor 3] [--min-timeout 120] [--equivalent FILE] [--report-only] [--list] [--json]
 
 MODULE: a path from the mapping below (`--list` prints it), or a group: `cache`, `verify`,
@@ -44,6 +44,10 @@ its removal (and - <-> ~); the number, boolean, and/or, not, break/continue, exc
 and zero-iteration operators stay whole. The replacements left out crash on the same line as a
 kept one (a str - str) or say less (x << y for x + y): 3,808 mutants become 1,317 on the cache and
 verify modules.
+
+One `--work` per concurrent run: each invocation copies the tree into `--work`/repo afresh, which
+would pull the files from under another run's mutant (to run two modules at once, give each a
+work folder; a session moves with its `sessions/<module>.*` files).
 
 Resumable: sessions stay in `--work`/sessions; a rerun continues a module's pending mutants
 (`--fresh` starts over; a module whose source changed since its session was made gets a new
@@ -118,10 +122,11 @@ MAPPING: dict[str, dict] = {
     } for name, section in (("structure", "structure,provenance"), ("selection", "selection"),
                             ("sample", "sample checks"), ("label", "labels"), ("chunk", "chunks"),
                             ("model", "model checks' parts,model checks with the target"))},
-    # -- training, data, drafter, eval (mapped, not yet measured) ----------------------------------
+    # -- training, data, drafter, eval ------------------------------------------------------------
     "pipeline/training/blocks.py": {
-        "group": "training", "tests": ["tests/training/test_blocks.py", "tests/drafter/test_drafter.py"],
-        "why": "anchors, block layout, attention rule"},
+        "group": "training", "tests": ["tests/training/test_blocks.py", "tests/training/test_loss.py",
+                                       "tests/training/test_objectives.py", "tests/drafter/test_drafter.py"],
+        "why": "anchors, block layout, labels and soft targets worked by hand"},
     "pipeline/training/batch.py": {
         "group": "training", "tests": ["tests/training/test_blocks.py", "tests/training/test_loss.py",
                                        "tests/training/test_micro_batches.py", "tests/training/test_flex_step.py"],
@@ -131,19 +136,33 @@ MAPPING: dict[str, dict] = {
                                        "tests/training/test_objectives.py", "tests/training/test_draft_vocab.py"],
         "why": "CE / KL objectives, masks, weighting"},
     "pipeline/data/loss_mask.py": {
-        "group": "data", "tests": ["tests/data/test_loss_mask.py", "tests/data/test_chat_shapes.py"],
-        "why": "DESIGN 3.5's mask rule"},
+        "group": "data", "tests": ["tests/data/test_loss_mask.py",
+                                   "tests/verify/test_verify_mutation_guards.py#sample checks",
+                                   "tests/data/test_chat_shapes.py"],
+        "why": "DESIGN 3.5's mask rule, and the stored-mask check verify-cache runs with it"},
     "pipeline/drafter/model.py": {
-        "group": "drafter", "tests": ["tests/drafter/test_drafter.py", "tests/drafter/test_attention_rule.py",
-                                      "tests/drafter/test_incremental.py", "tests/drafter/test_reference_export.py"],
+        "group": "drafter", "tests": ["tests/drafter/test_drafter.py", "tests/drafter/test_reference_export.py",
+                                      "tests/drafter/test_incremental.py", "tests/drafter/test_attention_rule.py"],
         "why": "the drafter against the reference implementation"},
     "pipeline/eval/speculative_sampling.py": {
-        "group": "eval", "tests": ["tests/eval/test_sampling.py", "tests/eval/test_ties.py"],
-        "why": "the acceptance rule and its distribution"},
+        "group": "eval", "tests": [
+            "tests/eval/test_ties.py", *(f"tests/eval/test_sampling.py::{t}" for t in (
+                "test_warping_matches_transformers_logits_processors", "test_draw_is_inverse_transform_sampling",
+                "test_keyed_uniforms_are_uniform_and_independent_of_each_other",
+                "test_one_block_slot_catches_planted_faults[None]")),
+            "tests/eval/test_sampling.py"],
+        "why": "the acceptance rule and its distribution: the slot test (seconds) before the decoding tests"},
     "pipeline/eval/speculative_decoding.py": {
-        "group": "eval", "tests": ["tests/eval/test_eval.py", "tests/eval/test_ties.py",
-                                   "tests/eval/test_sampling.py"],
-        "why": "lossless decoding against greedy"},
+        "group": "eval", "tests": [
+            "tests/eval/test_ties.py", *(f"tests/eval/test_eval.py::{t}" for t in (
+                "test_tree_is_best_first_within_its_budget", "test_tree_verify_auto_follows_its_rule",
+                "test_rejection_rolls_back_the_recurrent_state_exactly",
+                "test_commit_from_the_verify_pass_equals_rerunning_the_accepted_tokens",
+                "test_tree_verification_processes_each_node_once_and_equals_the_batched_paths",
+                "test_plain_decoding_of_a_batch_equals_one_prompt_at_a_time",
+                "test_an_oracle_drafter_reaches_the_block_size_and_an_untrained_one_about_one")),
+            "tests/drafter/test_reference_decoding.py", "tests/eval/test_eval.py", "tests/eval/test_sampling.py"],
+        "why": "lossless decoding against greedy: the tests without a trained drafter first (it takes minutes)"},
 }
 GROUPS = sorted({m["group"] for m in MAPPING.values()})
 DEFAULT_GROUPS = ("cache", "verify")

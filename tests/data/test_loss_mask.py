@@ -441,8 +441,8 @@ def test_a_tool_call_that_starts_the_targets_text_is_all_tool_call(tokenizer):
 
 @pytest.mark.parametrize("template", [
     "{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}",      # no prompt at all
-    "{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- 'assistant:' }}{%- else %}{{- '.' }}{%- endif %}",     # not after the rest
+    ("{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+     "{%- if add_generation_prompt %}{{- 'assistant:' }}{%- else %}{{- '.' }}{%- endif %}"),    # not after the rest
 ], ids=["adds-nothing", "not-a-suffix"])
 def test_a_template_without_a_generation_prompt_after_the_conversation_is_refused(tokenizer, template):
     import copy
