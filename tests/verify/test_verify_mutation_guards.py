@@ -1256,6 +1256,21 @@ def test_the_tail_rate_checks_the_samples_whose_draw_is_below_it(tmp_path, targe
     assert none.evidence["samples"] == 0 and none.evidence["worst"] == {"argmax": 0.0, "topk": 0.0, "logsumexp": 0.0}
 
 
+def test_the_tail_tolerances_are_inclusive(tmp_path, target, forward_samples, monkeypatch):
+    from pipeline.verify import model_checks
+    from pipeline.verify.model_checks import check_tail
+
+    reader = CacheReader(model_cache(tmp_path, forward_samples))
+    shards = ["shard-00000", "shard-00001"]
+    worst = check_tail(reader, shards, target, 1.0, 0).evidence["worst"]["logsumexp"]
+    assert worst > 0
+    # the worst logsumexp error exactly at its tolerance passes; the tolerance just under it names a sample
+    for tolerance, passed in ((worst, True), (float(np.nextafter(worst, 0)), False)):
+        monkeypatch.setitem(model_checks.TAIL_TOLERANCE, "bf16", {**model_checks.TAIL_TOLERANCE["bf16"],
+                                                                  "logsumexp": tolerance})
+        assert check_tail(reader, shards, target, 1.0, 0).passed is passed
+
+
 def test_the_tail_recompute_checks_what_it_read_before_an_undecodable_chunk(tmp_path, target, forward_samples):
     from pipeline.verify.model_checks import check_tail
 
