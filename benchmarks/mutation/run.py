@@ -136,7 +136,7 @@ MAPPING: dict[str, dict] = {
                                        "tests/training/test_objectives.py", "tests/training/test_draft_vocab.py"],
         "why": "CE / KL objectives, masks, weighting"},
     "pipeline/data/loss_mask.py": {
-        "group": "data", "tests": ["tests/data/test_loss_mask.py",
+        "group": "data", "tests": ["tests/data/test_loss_mask.py", "tests/data/test_mask_violations.py",
                                    "tests/verify/test_verify_mutation_guards.py#sample checks",
                                    "tests/data/test_chat_shapes.py"],
         "why": "DESIGN 3.5's mask rule, and the stored-mask check verify-cache runs with it"},
