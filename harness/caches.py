@@ -1,7 +1,7 @@
 """Caches as they are on disk, read without the pipeline's own parsers where the test is about
 them: the manifest and commit records by the protocol's rule (DESIGN 11), shard digests from the
-files' bytes, decoded content compared sample by sample; and deliberate damage (an edited record,
-a removed commit, re-signed digests)."""
+files' bytes, decoded content compared sample by sample; and deliberate damage (a flipped byte,
+an edited record, a removed commit, re-signed digests)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,14 @@ def edit_record(cache: Path, name: str, change) -> None:
     listing = json.loads(path.read_text())
     change(listing["shard"])
     path.write_text(json.dumps(listing))
+
+
+def damage_byte(path: Path, at: int, xor: int = 0xFF) -> None:
+    """Flip bits of one byte of a file in place (`at` < 0 counts from the end): a chunk that no
+    longer decodes, or no longer matches its checksum."""
+    data = bytearray(Path(path).read_bytes())
+    data[at] ^= xor
+    Path(path).write_bytes(bytes(data))
 
 
 def uncommit(cache: Path, name: str) -> None:

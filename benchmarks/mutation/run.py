@@ -18,9 +18,10 @@ not a project dependency). What it does, per module:
 2. Writes cosmic-ray's configuration into `--work`/sessions (never into pyproject.toml): the
    module, and as its test command pytest over the tests MAPPING lists for that module, in that
    order, with `-x` (a mutant is killed at its first failing test; only survivors pay for every
-   file). An entry is a test file, or FILE#SECTION: the test functions under that section header
-   of the file (the guard files have one section per module guarded), so a module's own cheap
-   guards run first. The mapping is explicit rather than coverage-derived: coverage only says
+   file). An entry is a test file, a pytest node id (FILE::TEST), or FILE#SECTION: the test
+   functions under that section header of the file (the guard files have one section per module
+   guarded), so a module's own cheap guards run first (pytest runs with --keep-duplicates, so a
+   node id listed before its whole file runs where it is listed). The mapping is explicit rather than coverage-derived: coverage only says
    which tests *execute* a line, and every extract-based test executes most of the cache's code,
    so it would select nearly every slow test; the mapping picks the tests that *check* the
    module, cheapest first, and leaves out suites about other things (S3, kill -9) unless the
@@ -42,8 +43,8 @@ arithmetic operator becomes its nearest neighbours only (+ <-> -, * <-> /, // ->
 its negation (< -> <= and >=, == -> !=, is -> is not, ...) instead of all 7, each unary operator
 its removal (and - <-> ~); the number, boolean, and/or, not, break/continue, exception, decorator
 and zero-iteration operators stay whole. The replacements left out crash on the same line as a
-kept one (a str - str) or say less (x << y for x + y): 3,808 mutants become 1,317 on the cache and
-verify modules.
+kept one (a str - str) or say less (x << y for x + y): 3,808 mutants became 1,317 on the cache and
+verify modules when the set was chosen.
 
 One `--work` per concurrent run: each invocation copies the tree into `--work`/repo afresh, which
 would pull the files from under another run's mutant (to run two modules at once, give each a
@@ -128,9 +129,14 @@ MAPPING: dict[str, dict] = {
                                        "tests/training/test_objectives.py", "tests/drafter/test_drafter.py"],
         "why": "anchors, block layout, labels and soft targets worked by hand"},
     "pipeline/training/batch.py": {
-        "group": "training", "tests": ["tests/training/test_blocks.py", "tests/training/test_loss.py",
-                                       "tests/training/test_micro_batches.py", "tests/training/test_flex_step.py"],
-        "why": "batch assembly from cached samples"},
+        "group": "training", "tests": [
+            "tests/training/test_pack.py", "tests/training/test_blocks.py", "tests/training/test_step_noise.py",
+            "tests/projection/test_projected_noise.py", "tests/training/test_loss.py",
+            *(f"tests/training/test_draft_vocab.py::{t}" for t in (
+                "test_the_whole_vocabulary_as_a_draft_vocabulary_changes_no_bit",
+                "test_the_loss_with_k_below_v_is_the_full_vocabulary_one_with_the_excluded_logits_removed")),
+            "tests/training/test_micro_batches.py", "tests/training/test_flex_step.py"],
+        "why": "batch assembly from cached samples (the placeholder, a draft vocabulary), and the context noise the step adds"},
     "pipeline/training/loss.py": {
         "group": "training", "tests": ["tests/training/test_loss.py", "tests/training/test_plain_ce.py",
                                        "tests/training/test_objectives.py", "tests/training/test_draft_vocab.py"],
@@ -146,12 +152,12 @@ MAPPING: dict[str, dict] = {
         "why": "the drafter against the reference implementation"},
     "pipeline/eval/speculative_sampling.py": {
         "group": "eval", "tests": [
-            "tests/eval/test_ties.py", *(f"tests/eval/test_sampling.py::{t}" for t in (
+            "tests/eval/test_sampling_keys.py", "tests/eval/test_ties.py", *(f"tests/eval/test_sampling.py::{t}" for t in (
                 "test_warping_matches_transformers_logits_processors", "test_draw_is_inverse_transform_sampling",
                 "test_keyed_uniforms_are_uniform_and_independent_of_each_other",
                 "test_one_block_slot_catches_planted_faults[None]")),
             "tests/eval/test_sampling.py"],
-        "why": "the acceptance rule and its distribution: the slot test (seconds) before the decoding tests"},
+        "why": "the acceptance rule and its keys (milliseconds), then its distribution: the slot test (seconds) before the decoding tests"},
     "pipeline/eval/speculative_decoding.py": {
         "group": "eval", "tests": [
             "tests/eval/test_ties.py", *(f"tests/eval/test_eval.py::{t}" for t in (
@@ -278,7 +284,10 @@ def slug(module: str) -> str:
 
 
 def test_command(python: str, tests: list[str], basetemp: Path) -> list[str]:
-    return [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+    # --keep-duplicates: without it pytest drops a FILE::TEST that a later FILE argument also
+    # covers, and runs the whole file in its own order, so the cheap tests listed first would not
+    # run first. With it a survivor runs them twice (seconds).
+    return [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--keep-duplicates",
             f"--basetemp={basetemp}", *tests]
 
 

@@ -37,6 +37,7 @@ class SequenceBlocks:
     soft_ids: torch.Tensor | None = None    # [A, B, K]
     soft_probs: torch.Tensor | None = None  # [A, B, K]
     outside: torch.Tensor | None = None     # [A, B] bool: supervised, but the label is outside the draft vocabulary
+    real: bool = True           # False: placeholder's block, which no metric counts
 
     @property
     def num_tokens(self) -> int:
@@ -80,11 +81,12 @@ def context_noise(shape, std: float, generator: torch.Generator, scale: torch.Te
 
 
 def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int, mask_token_id: int, gamma: float,
-            generator: torch.Generator, soft: bool = False, noise_std: float = 0.0,
-            noise: torch.Generator | None = None, vocab: DraftVocab | None = None) -> SequenceBlocks | None:
-    """Blocks for one sample (None if it has no valid anchor). Noise, when asked, is added to the
-    input context features only (DESIGN 3.6): labels come from the stored target outputs. `vocab`:
-    labels (and soft-target ids) as its draft ids (module docstring)."""
+            generator: torch.Generator, soft: bool = False,
+            vocab: DraftVocab | None = None) -> SequenceBlocks | None:
+    """Blocks for one sample (None if it has no valid anchor). Labels come from the stored target
+    outputs, never from `hidden`: the training step adds its noise (context_noise) to the context
+    features after this (DESIGN 3.6). `vocab`: labels (and soft-target ids) as its draft ids
+    (module docstring)."""
     n = min(len(sample[INPUT_IDS]), max_length)
     ids = torch.from_numpy(np.asarray(sample[INPUT_IDS][:n], dtype=np.int64))
     mask = torch.from_numpy(np.asarray(sample[LOSS_MASK][:n], dtype=np.int64))
@@ -93,8 +95,6 @@ def prepare(sample: dict, *, block_size: int, num_anchors: int, max_length: int,
         return None
     hidden = sample[HIDDEN][:n]
     hidden = (hidden if isinstance(hidden, torch.Tensor) else torch.from_numpy(np.asarray(hidden))).float()
-    if noise_std > 0:
-        hidden = hidden + noise_std * torch.randn(hidden.shape, generator=noise)
     argmax = torch.from_numpy(np.asarray(sample[TARGET_ARGMAX][:n], dtype=np.int64))
     block_ids, pos = block_tokens(ids, anchors, block_size, mask_token_id)
     labels, weights = block_targets(argmax, mask, anchors, block_size, gamma)
@@ -149,7 +149,7 @@ def pack(items: list[SequenceBlocks], block_size: int) -> PackedBatch:
         hidden[i, :ti] = x.hidden
         block_ids[i, :qi], block_pos[i, :qi] = x.block_ids, x.block_pos
         anchors[i, :ai] = x.anchors
-        labels[i, :ai], weights[i, :ai], real[i, :ai] = x.labels, x.weights, True
+        labels[i, :ai], weights[i, :ai], real[i, :ai] = x.labels, x.weights, x.real
         if soft:
             soft_ids[i, :ai], soft_probs[i, :ai] = x.soft_ids, x.soft_probs
         if outside is not None:
@@ -186,13 +186,14 @@ def loss_sum(logits, batch: PackedBatch, kind: str) -> torch.Tensor:
 
 def placeholder(config, soft_k: int | None = None, vocab: bool = False) -> SequenceBlocks:
     """One all-zero-weight block: a rank whose share of a step has no anchor still runs a forward
-    and backward, so data-parallel gradient reduction stays in lockstep. Its context has the
-    cache's shape: n_taps taps of hidden_size, or one row of R projected values."""
+    and backward, so data-parallel gradient reduction stays in lockstep. It adds nothing to the
+    loss or to any metric (not even the block count the streaks are averaged over). Its context
+    has the cache's shape: n_taps taps of hidden_size, or one row of R projected values."""
     b = config.block_size
     ids = torch.full((b,), config.mask_token_id, dtype=torch.long)
     taps = (1, config.tap_projection) if config.tap_projection else (len(config.target_layer_ids), config.hidden_size)
     out = SequenceBlocks(torch.zeros(1, *taps), ids, torch.arange(b), torch.zeros(1, dtype=torch.long),
-                         torch.zeros(1, b, dtype=torch.long), torch.zeros(1, b))
+                         torch.zeros(1, b, dtype=torch.long), torch.zeros(1, b), real=False)
     if soft_k:
         out.soft_ids = torch.zeros(1, b, soft_k, dtype=torch.long)
         out.soft_probs = torch.full((1, b, soft_k), 1.0 / soft_k)

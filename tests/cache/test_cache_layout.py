@@ -12,7 +12,7 @@ import pytest
 import zarr
 from numcodecs import Zstd
 
-from harness.caches import hash_files_on_disk, manifest_json, shard_digest
+from harness.caches import damage_byte, hash_files_on_disk, manifest_json, shard_digest
 from harness.runs import cli, cli_here, write_rows
 from pipeline.cache.commit import hash_shard, read_digests
 from pipeline.cache.address import open_location
@@ -107,17 +107,11 @@ def copy(cache, tmp_path):
     return tmp_path / "cache"
 
 
-def damage(path, at: int, xor: int = 0x01):
-    data = bytearray(path.read_bytes())
-    data[at] ^= xor
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("where", ["inner chunk", "index"])
 def test_damage_is_named_by_file_and_chunk(copy, where):
     target = copy / "shard-00001" / "hidden" / "c.1.0.0"
     size = target.stat().st_size
-    damage(target, size // 3 if where == "inner chunk" else size - 10)
+    damage_byte(target, size // 3 if where == "inner chunk" else size - 10, 0x01)
     shard = CacheReader(copy).shard("shard-00001")
     message = r"inner chunk \d+: CRC32C mismatch" if where == "inner chunk" else "index CRC32C mismatch"
     with pytest.raises(PipelineError, match=f"{target}: .*{message}" if where == "inner chunk" else f"{target}: {message}"):
@@ -156,7 +150,7 @@ def test_a_missing_file_is_named_when_the_shard_opens(copy):
 def test_an_edited_digest_list_is_caught_by_the_manifest_digest(copy):
     """The file list is checked too: editing it to match damaged data changes the shard's digest."""
     target = copy / "shard-00000" / "target_argmax" / "c.0"
-    damage(target, 20)
+    damage_byte(target, 20, 0x01)
     listing = json.loads((copy / "shard-00000" / "digests.json").read_text())
     size, sha = hash_files_on_disk(copy / "shard-00000")["target_argmax/c.0"]
     listing["files"]["target_argmax/c.0"] = {"bytes": size, "sha256": sha}

@@ -23,6 +23,7 @@ import pytest
 import torch
 import zarr
 
+from harness.caches import damage_byte
 from pipeline.cache import schema
 from pipeline.cache.address import open_location
 from pipeline.cache.identity import parse_identity
@@ -688,10 +689,7 @@ def test_a_directory_that_is_no_shard_cannot_be_opened(tmp_path):
 
 
 def test_damage_is_named_by_sample_file_and_chunk(copy):
-    path = copy / "shard-00000" / "input_ids" / "c.1"
-    data = bytearray(path.read_bytes())
-    data[5] ^= 0xFF  # inside the file's first inner chunk (chunk 2 of the array: tokens 4, 5)
-    path.write_bytes(bytes(data))
+    damage_byte(copy / "shard-00000" / "input_ids" / "c.1", 5)  # the file's first inner chunk (chunk 2: tokens 4, 5)
     shard = CacheReader(copy).shard(0)
     with pytest.raises(PipelineError) as e:
         shard.read("input_ids", 7)  # tokens 0..4: chunks 0, 1 and 2

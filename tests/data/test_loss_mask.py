@@ -2,6 +2,8 @@
 every conversation shape in every thinking mode of the embedded target's own template against the
 oracle written from the rule (harness/chat_shapes.py), with nothing from outside the repository."""
 
+import copy
+
 import pytest
 from harness.chat_shapes import HEADER, REASONING_SHAPES, SHAPES, TOOL_SHAPES, WEATHER_TOOL, oracle
 
@@ -16,6 +18,13 @@ CONVERSATION = [
     {"role": "user", "content": "Spell the word river."},
     {"role": "assistant", "content": "river is spelled r-i-v-e-r."},
 ]
+
+
+def with_template(tokenizer, template: str):
+    """A copy of the tokenizer with another chat template (the fixture's stays as it is)."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
 
 
 def supervised_spans(mask):
@@ -66,8 +75,6 @@ def test_boundaries_of_reasoning_and_a_tool_call(tokenizer):
     assert texts == ["I use the calculator.\n</think>\n\n<tool_call>\n<function=calculator>\n<parameter=a>\n417\n"
                      "</parameter>\n<parameter=b>\n38\n</parameter>\n</function>\n</tool_call><|im_end|>",
                      "Got it.\n</think>\n\n417 times 38 is 15846.<|im_end|>"]
-    kinds = [k for k in sample.kinds if k]
-    assert kinds[0] == "reasoning" and "tool_call" in kinds and kinds[-1] == "end_of_turn"
     # Each kind's tokens, per turn, decode to the text worked by hand (reasoning through </think>).
     for (a, b), expected in zip(supervised_spans(sample.loss_mask), [
             {"reasoning": "I use the calculator.\n</think>", "content": "\n\n", "end_of_turn": "<|im_end|>",
@@ -105,9 +112,7 @@ THINK_TEMPLATE = (
 
 
 def test_template_that_rerenders_history(tokenizer):
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = THINK_TEMPLATE
+    tok = with_template(tokenizer, THINK_TEMPLATE)
     for thinking in (False, True):
         sample = tokenize_conversation(tok, CONVERSATION, IM_END, enable_thinking=thinking)
         spans = supervised_spans(sample.loss_mask)
@@ -245,14 +250,12 @@ NO_PROMPT_AFTER_ASSISTANT = (
 
 @pytest.mark.parametrize("prompts,refused,middle", [(None, None, None), ("last", 2, None), ("all", 2, 2)])
 def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, prompts, refused, middle):
-    import copy
-
     from pipeline.data.conversations import Row
     from pipeline.data.loss_mask import ConversationMasker
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = NO_PROMPT_AFTER_ASSISTANT
+
+    tok = with_template(tokenizer, NO_PROMPT_AFTER_ASSISTANT)
     masker = ConversationMasker(tok, IM_END)
-    ok = Row(sample_id=0, where="d.jsonl:1", messages=CONVERSATION[1:3] + CONVERSATION[3:5])
+    ok = Row(sample_id=0, where="d.jsonl:1", messages=CONVERSATION[1:5])
     masker.validate(ok, prompts=prompts)
     # the last turn follows an assistant turn: the whole conversation renders, its prompt does not
     row = Row(sample_id=1, where="d.jsonl:2", messages=CONVERSATION[1:3] + [{"role": "assistant", "content": "more"}])
@@ -274,7 +277,6 @@ def test_validate_renders_the_prompt_of_each_turn_to_be_written(tokenizer, promp
 def test_the_rendering_is_tokenized_as_it_is_without_special_tokens_added(tokenizer):
     """The template writes whatever special tokens the conversation has: a tokenizer that would put
     a BOS in front of text it is given adds none here (offsets and mask stay the rendering's)."""
-    import copy
     tok = copy.deepcopy(tokenizer)
     tok.bos_token, tok.add_bos_token = "<|endoftext|>", True
     assert tok("hi")["input_ids"][0] == tok.bos_token_id        # the tokenizer would add one
@@ -305,9 +307,7 @@ THINK_CLOSED_AT_ONCE = (
     (THINK_CLOSED_AT_ONCE, {"reasoning": "</think>", "content": "\n\n2 plus 3 is 5.", "end_of_turn": "<|im_end|>"}),
 ], ids=["text-ends-with-the-turn", "turn-starts-with-the-close"])
 def test_each_kind_of_a_turn_at_an_edge_of_the_text(tokenizer, template, texts):
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
+    tok = with_template(tokenizer, template)
     sample = tokenize_conversation(tok, CONVERSATION[1:3], IM_END)
     (a, b), = supervised_spans(sample.loss_mask)
     by_kind = {}
@@ -317,22 +317,20 @@ def test_each_kind_of_a_turn_at_an_edge_of_the_text(tokenizer, template, texts):
 
 
 def test_a_row_the_template_refuses_is_named_with_the_first_line_of_its_error(tokenizer):
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = ("{%- for m in messages %}{%- if m['content'] == 'boom' %}{{- raise_exception('no boom here"
-                         "\\nsecond line') }}{%- endif %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-                         "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-                         "{%- endif %}")
+    tok = with_template(tokenizer, (
+        "{%- for m in messages %}{%- if m['content'] == 'boom' %}{{- raise_exception('no boom here"
+        "\\nsecond line') }}{%- endif %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}"))
     with pytest.raises(PipelineError, match=r"^conversation: the chat template refuses this row \(no boom here\)$"):
         tokenize_conversation(tok, [CONVERSATION[1], {"role": "assistant", "content": "boom"}], IM_END)
 
 
-def test_thinking_is_on_unless_the_prompt_closes_the_block_or_the_option_turns_it_off(tokenizer):
-    import copy
-
+def test_a_template_that_supplies_nothing_thinks_unless_the_option_turns_it_off(tokenizer):
+    # (a prompt that closes the think block: test_the_generation_prompt_is_the_header_line_then_what_it_supplies)
     from pipeline.data.loss_mask import generation_prompt
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = NO_PROMPT_AFTER_ASSISTANT      # plain ChatML: supplies nothing, knows no option
+
+    tok = with_template(tokenizer, NO_PROMPT_AFTER_ASSISTANT)  # plain ChatML: supplies nothing, knows no option
     assert generation_prompt(tok, {}).thinking is True
     assert generation_prompt(tok, {"enable_thinking": False}).thinking is False
 
@@ -354,10 +352,8 @@ def test_a_tool_call_that_starts_the_targets_text_is_all_tool_call(tokenizer):
      "{%- if add_generation_prompt %}{{- 'assistant:' }}{%- else %}{{- '.' }}{%- endif %}"),    # not after the rest
 ], ids=["adds-nothing", "not-a-suffix"])
 def test_a_template_without_a_generation_prompt_after_the_conversation_is_refused(tokenizer, template):
-    import copy
-
     from pipeline.data.loss_mask import generation_prompt
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
+
+    tok = with_template(tokenizer, template)
     with pytest.raises(PipelineError, match="^the chat template adds no generation prompt after a user turn"):
         generation_prompt(tok, {})

@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from harness.caches import edit_record, resign

@@ -55,7 +55,7 @@ def test_targets_and_weights():
     # a masked target position is weighted 0
     _, w = block_targets(argmax, mask, torch.tensor([3]), B, gamma=2.0)
     assert w[0].tolist() == pytest.approx([0, 1, 0, math.exp(-1.0)])
-    assert decay_weights(16, 7)[1] == 1.0 and default_gamma(16) == 7 and default_gamma(8) == 4
+    assert decay_weights(16, 7)[1] == 1.0
 
 
 def test_an_anchor_at_position_0_predicts_position_1_from_the_first_argmax():
@@ -65,8 +65,17 @@ def test_an_anchor_at_position_0_predicts_position_1_from_the_first_argmax():
     assert weights[0].tolist() == pytest.approx([0, 1, math.exp(-0.5), math.exp(-1.0)])
 
 
+def test_soft_targets_of_an_anchor_at_position_0():
+    # position p stores the target's top-2 for p+1; slot k of anchor 0 takes position k-1's
+    ids = torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])
+    logits = torch.tensor([[2.0, 0.0], [1.0, 1.0], [0.0, 3.0], [4.0, 4.0]])
+    soft_ids, soft_probs = block_soft_targets(ids, logits, torch.full((4,), 5.0), torch.tensor([0]), 3)
+    assert soft_ids[0, 1:].tolist() == [[5, 6], [7, 8]]
+    e = math.exp(2.0)
+    assert soft_probs[0, 1:].tolist() == [pytest.approx([e / (e + 1), 1 / (e + 1)]), pytest.approx([0.5, 0.5])]
+
+
 def test_decay_weights_by_hand():
-    assert decay_weights(4, 2.0).tolist() == pytest.approx([0, 1, math.exp(-0.5), math.exp(-1.0)])
     assert decay_weights(3, 7.0).tolist() == pytest.approx([0, 1, math.exp(-1 / 7)])
 
 
@@ -188,13 +197,3 @@ def test_a_prepared_sample_carries_the_hand_worked_targets():
                      generator=torch.Generator().manual_seed(0), soft=True)
     check_against_hand(blocks.anchors.tolist(), blocks.labels, blocks.weights, blocks.soft_ids, blocks.soft_probs)
     assert blocks.block_ids.view(-1, B)[:, 0].tolist() == [101, 102, 103, 106]   # the anchor tokens
-
-
-def test_soft_targets_of_an_anchor_at_position_0():
-    # position p stores the target's top-2 for p+1; slot k of anchor 0 takes position k-1's
-    ids = torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])
-    logits = torch.tensor([[2.0, 0.0], [1.0, 1.0], [0.0, 3.0], [4.0, 4.0]])
-    soft_ids, soft_probs = block_soft_targets(ids, logits, torch.full((4,), 5.0), torch.tensor([0]), 3)
-    assert soft_ids[0, 1:].tolist() == [[5, 6], [7, 8]]
-    e = math.exp(2.0)
-    assert soft_probs[0, 1:].tolist() == [pytest.approx([e / (e + 1), 1 / (e + 1)]), pytest.approx([0.5, 0.5])]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness.loss_batches import B, V, batch, drafter
+from harness.loss_batches import V, batch, drafter
 from harness.draft_vocab import with_draft_vocab
 from harness.runs import REPO
 from harness.prerequisites import needs

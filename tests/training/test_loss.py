@@ -5,7 +5,6 @@ tensor of the full [supervised slots, V] size kept for backward."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zarr
 
-from harness.caches import edit_record, manifest_json, resign
+from harness.caches import damage_byte, edit_record, manifest_json, resign
 from harness.marks import needs_tmpfs
 from harness.runs import REPO, cli, cli_here, file_size_limit, in_namespace, small_cache, torchrun
 from pipeline.cache.reader import CacheReader
@@ -371,21 +371,6 @@ def test_soft_kl_and_noise_options_train(cache, tmp_path):
     assert {x["noise_std"] for x in lines} == {0.05}
 
 
-def test_noise_touches_features_only(cache):
-    reader = CacheReader(cache)
-    shard = reader.shard(reader.shards[0])
-    sid = int(shard.sample_ids[0])
-    sample = {**shard.sample(sid), "sample_id": sid}
-    common = {"block_size": 8, "num_anchors": 16, "max_length": 512, "mask_token_id": 499, "gamma": 4.0}
-    clean = prepare(sample, generator=anchor_generator(0, 0, sid), **common)
-    noisy = prepare(sample, generator=anchor_generator(0, 0, sid), noise_std=0.5,
-                    noise=torch.Generator().manual_seed(1), **common)
-    assert not torch.equal(clean.hidden, noisy.hidden)
-    assert torch.equal(clean.labels, noisy.labels) and torch.equal(clean.weights, noisy.weights)
-    assert torch.equal(clean.block_ids, noisy.block_ids)
-    assert torch.equal(sample["hidden"], shard.hidden(sid))  # the stored data is untouched
-
-
 def test_refuses_a_cache_that_does_not_fit(cache, tmp_path, embedded):
     with pytest.raises(PipelineError, match=r"target_layer_ids: cache \[1, 3, 5\] vs drafter config \[1, 2, 5\]"):
         train(cache, tmp_path / "r1", target_layer_ids=[1, 2, 5], max_steps=1)
@@ -422,9 +407,7 @@ def test_a_corrupted_chunk_stops_training_with_a_clear_error(cache, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(cache, bad)
     chunk = bad / "shard-00001" / "hidden" / "c.0.0.0"
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+    damage_byte(chunk, chunk.stat().st_size // 2)
     result = cli_here("train", "--cache", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "40")
     assert result.returncode == 1
     assert f"{bad}/shard-00001/hidden: read of sample" in result.stderr, result.stderr

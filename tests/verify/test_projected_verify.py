@@ -15,7 +15,7 @@ from harness.caches import resign
 from harness.runs import cli_here
 from pipeline.cache.encoding import encode_hidden
 from pipeline.cache.reader import open_cache
-from pipeline.cache.schema import HIDDEN, HIDDEN_SCALE, INPUT_IDS
+from pipeline.cache.schema import HIDDEN, INPUT_IDS
 from pipeline.config import ExtractConfig
 from pipeline.projection.basis import TapBasis
 from pipeline.projection.basis_file import basis_bytes, cache_basis

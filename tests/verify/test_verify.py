@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zarr
 
-from harness.caches import edit_record, resign
+from harness.caches import damage_byte, edit_record, resign
 from harness.runs import cli, cli_here, write_rows
 from pipeline.config import ExtractConfig
 from stages.extract.run import run_extract
@@ -119,9 +119,7 @@ def set_identity(cache, shard, **changes):
 
 def flip_byte(cache):
     chunk = sorted((cache / "shard-00001" / "hidden").glob("c.*"))[-1]
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    damage_byte(chunk, chunk.stat().st_size // 2, 0x01)
 
 
 def copy_hidden_from(other):
