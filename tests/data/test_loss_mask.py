@@ -27,6 +27,14 @@ def with_template(tokenizer, template: str):
     return tok
 
 
+def kind_texts(tokenizer, sample, a: int, b: int) -> dict[str, str]:
+    """Per kind, the decoded text of positions a..b-1 of that kind."""
+    by_kind = {}
+    for t in range(a, b):
+        by_kind.setdefault(sample.kinds[t], []).append(sample.input_ids[t])
+    return {kind: tokenizer.decode(ids) for kind, ids in by_kind.items()}
+
+
 def supervised_spans(mask):
     spans, start = [], None
     for i, m in enumerate(mask + [0]):
@@ -81,10 +89,7 @@ def test_boundaries_of_reasoning_and_a_tool_call(tokenizer):
              "tool_call": "<tool_call>\n<function=calculator>\n<parameter=a>\n417\n</parameter>\n<parameter=b>\n"
                           "38\n</parameter>\n</function>\n</tool_call>"},
             {"reasoning": "Got it.\n</think>", "content": "\n\n417 times 38 is 15846.", "end_of_turn": "<|im_end|>"}]):
-        by_kind = {}
-        for t in range(a, b):
-            by_kind.setdefault(sample.kinds[t], []).append(sample.input_ids[t])
-        assert {k: tokenizer.decode(v) for k, v in by_kind.items()} == expected
+        assert kind_texts(tokenizer, sample, a, b) == expected
     assert sample.stats == {"reasoning_turns": 2, "reasoning_turns_dropped": 0, "reasoning_turns_not_rendered": 0,
                             "tool_call_turns": 1, "tool_replies": 1}
 
@@ -310,10 +315,7 @@ def test_each_kind_of_a_turn_at_an_edge_of_the_text(tokenizer, template, texts):
     tok = with_template(tokenizer, template)
     sample = tokenize_conversation(tok, CONVERSATION[1:3], IM_END)
     (a, b), = supervised_spans(sample.loss_mask)
-    by_kind = {}
-    for t in range(a, b):
-        by_kind.setdefault(sample.kinds[t], []).append(sample.input_ids[t])
-    assert {k: tok.decode(v) for k, v in by_kind.items()} == texts
+    assert kind_texts(tok, sample, a, b) == texts
 
 
 def test_a_row_the_template_refuses_is_named_with_the_first_line_of_its_error(tokenizer):

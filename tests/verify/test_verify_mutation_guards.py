@@ -148,6 +148,31 @@ def good(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("good"), simple_samples(), [[0, 1, 2], [3, 4, 5]])
 
 
+def projected_samples() -> list[dict]:
+    """Three aligned 6-token samples whose stored row is R = 2 projected values (sample i's all 1.5 + i)."""
+    samples = [aligned_sample(distinct_ids(6, 10 * i), MASK6, seed=i) for i in range(3)]
+    for i, s in enumerate(samples):
+        s["hidden"] = np.full((6, 1, 2), 1.5 + i, np.float32)
+    return samples
+
+
+def projected_cache(root: Path, *, basis_rank=2, basis_width=12, stored=True) -> tuple[Path, str]:
+    """A cache projected to R = 2 values a token (3 taps x 4: 12 tap values) and its basis file
+    (of `basis_rank` components of `basis_width` values), the manifest naming the basis's digest."""
+    from pipeline.projection.basis import TapBasis
+    from pipeline.projection.basis_file import store_basis
+
+    cache = build(root, projected_samples(), [[0, 1, 2]], rank=2)
+    basis = TapBasis(components=torch.eye(basis_rank, basis_width), scales=torch.ones(basis_rank), energy=0.875,
+                     pilot_tokens=64)
+    if stored:
+        store_basis(open_location(cache), basis, "synthetic")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["config"]["capture"]["projection"]["digest"] = basis.digest()
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    return cache, basis.digest()
+
+
 # ----------------------------------------------------------------------------------- selection
 
 
@@ -362,26 +387,6 @@ def test_digest_evidence_keeps_the_first_50(tmp_path):
     check = check_digests(CacheReader(copy), ["shard-00000"], True)
     assert check.summary.endswith(": 52 mismatches")  # 51 files and the shard's digest
     assert len(check.evidence["mismatched"]) == 50
-
-
-def projected_cache(root: Path, *, basis_rank=2, basis_width=12, stored=True) -> tuple[Path, str]:
-    """A cache projected to R = 2 values a token (3 taps x 4: 12 tap values) and its basis file
-    (of `basis_rank` components of `basis_width` values), the manifest naming the basis's digest."""
-    from pipeline.projection.basis import TapBasis
-    from pipeline.projection.basis_file import store_basis
-
-    samples = [aligned_sample(distinct_ids(6, 10 * i), MASK6, seed=i) for i in range(3)]
-    for i, s in enumerate(samples):
-        s["hidden"] = np.full((6, 1, 2), 1.5 + i, np.float32)
-    cache = build(root, samples, [[0, 1, 2]], rank=2)
-    basis = TapBasis(components=torch.eye(basis_rank, basis_width), scales=torch.ones(basis_rank), energy=0.875,
-                     pilot_tokens=64)
-    if stored:
-        store_basis(open_location(cache), basis, "synthetic")
-    manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["config"]["capture"]["projection"]["digest"] = basis.digest()
-    (cache / "manifest.json").write_text(json.dumps(manifest))
-    return cache, basis.digest()
 
 
 def test_the_basis_named_by_the_manifest_is_checked_against_its_capture(tmp_path):
@@ -850,9 +855,7 @@ def test_a_sample_rate_decodes_the_chunks_whose_draw_is_below_it(good):
 
 
 def test_a_projected_cache_counts_its_one_row(tmp_path):
-    samples = [aligned_sample(distinct_ids(6, 10 * i), MASK6, seed=i) for i in range(3)]
-    for i, s in enumerate(samples):
-        s["hidden"] = np.full((6, 1, 2), 1.5 + i, np.float32)
+    samples = projected_samples()
     samples[0]["hidden"][3, 0, 1] = np.nan
     cache = build(tmp_path, samples, [[0, 1, 2]], rank=2)
     crc, finite, signature = chunks(cache, shards=["shard-00000"])
@@ -1158,6 +1161,16 @@ def forward_samples(target, tokenizer, train_rows):
     return out
 
 
+def passes_at_and_fails_under(monkeypatch, key: str, value: float, run) -> None:
+    """`run()`'s check passes with the bf16 tolerance `key` exactly at `value` (the bands are
+    inclusive) and fails with it at the float just under."""
+    from pipeline.verify import model_checks
+
+    for tolerance, passed in ((value, True), (float(np.nextafter(value, 0)), False)):
+        monkeypatch.setitem(model_checks.TAIL_TOLERANCE, "bf16", {**model_checks.TAIL_TOLERANCE["bf16"], key: tolerance})
+        assert run().passed is passed
+
+
 def model_cache(root: Path, samples: list[dict], *, layer_of=lambda i, tap: tap + 1) -> Path:
     """Taps stored from hidden_states[layer_of(sample, tap)] (tap + 1: the convention)."""
     written = []
@@ -1243,18 +1256,14 @@ def test_the_tail_rate_checks_the_samples_whose_draw_is_below_it(tmp_path, targe
 
 
 def test_the_tail_tolerances_are_inclusive(tmp_path, target, forward_samples, monkeypatch):
-    from pipeline.verify import model_checks
     from pipeline.verify.model_checks import check_tail
 
     reader = CacheReader(model_cache(tmp_path, forward_samples))
     shards = ["shard-00000", "shard-00001"]
     worst = check_tail(reader, shards, target, 1.0, 0).evidence["worst"]["logsumexp"]
     assert worst > 0
-    # the worst logsumexp error exactly at its tolerance passes; the tolerance just under it names a sample
-    for tolerance, passed in ((worst, True), (float(np.nextafter(worst, 0)), False)):
-        monkeypatch.setitem(model_checks.TAIL_TOLERANCE, "bf16", {**model_checks.TAIL_TOLERANCE["bf16"],
-                                                                  "logsumexp": tolerance})
-        assert check_tail(reader, shards, target, 1.0, 0).passed is passed
+    # the worst logsumexp error exactly at its tolerance passes; the tolerance just under it fails
+    passes_at_and_fails_under(monkeypatch, "logsumexp", worst, lambda: check_tail(reader, shards, target, 1.0, 0))
 
 
 def test_the_tail_recompute_checks_what_it_read_before_an_undecodable_chunk(tmp_path, target, forward_samples,
@@ -1295,7 +1304,6 @@ def test_the_full_recompute_of_a_projected_cache_without_its_basis_is_skipped_sa
 
 
 def test_the_full_recompute_counts_agreement_over_every_position(tmp_path, target, forward_samples, monkeypatch):
-    from pipeline.verify import model_checks
     from pipeline.verify.model_checks import check_recompute
 
     planted = {k: v.copy() if k != "states" else v for k, v in forward_samples[0].items()}
@@ -1309,11 +1317,8 @@ def test_the_full_recompute_counts_agreement_over_every_position(tmp_path, targe
     assert "argmax agree 0.9750, top-k agree 0.9750; " in check.summary
     assert not check.passed and check.evidence["argmax_shortfall"] > 0
     # a shortfall exactly at the argmax tolerance passes (the band is inclusive), just above it fails
-    shortfall = check.evidence["argmax_shortfall"]
-    for tolerance, passed in ((shortfall, True), (float(np.nextafter(shortfall, 0)), False)):
-        monkeypatch.setitem(model_checks.TAIL_TOLERANCE, "bf16", {**model_checks.TAIL_TOLERANCE["bf16"],
-                                                                  "argmax": tolerance})
-        assert check_recompute(CacheReader(cache), [("shard-00000", 0)], target, 0.02).passed is passed
+    passes_at_and_fails_under(monkeypatch, "argmax", check.evidence["argmax_shortfall"],
+                              lambda: check_recompute(CacheReader(cache), [("shard-00000", 0)], target, 0.02))
 
 
 def test_the_full_recompute_in_bf16_widens_the_argmax_tolerance_4x(tmp_path, target, forward_samples):
