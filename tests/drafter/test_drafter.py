@@ -58,12 +58,40 @@ def test_batched_anchors_equal_one_anchor_at_a_time():
             torch.testing.assert_close(together[:, j * B:(j + 1) * B], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_sequences_batched_together_equal_each_alone():
+    drafter = tiny_drafter()
+    t = 14
+    taps, ids = torch.randn(2, t, 3, H), torch.randint(0, V - 1, (2, t))
+    inputs = [block_inputs(ids[i], torch.tensor(anchors), B, drafter.config.mask_token_id)
+              for i, anchors in enumerate(([2, 9], [5, 11]))]
+    with torch.no_grad():
+        together = drafter(taps, *(torch.stack([x[k] for x in inputs]) for k in range(3)))
+        for i, (block_ids, pos, allowed) in enumerate(inputs):
+            alone = drafter(taps[i:i + 1], block_ids[None], pos[None], allowed[None])
+            torch.testing.assert_close(together[i:i + 1], alone, atol=1e-5, rtol=1e-5)
+
+
 def test_frozen_embedding_and_head_are_not_parameters():
     drafter = tiny_drafter()
     names = {n for n, _ in drafter.named_parameters()}
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
             "layers.1.mlp.down_proj.weight"} <= names
+    # and frozen: no gradient is ever kept for the target's embedding or its (248k-row) head
+    assert not drafter.lm_head_weight.requires_grad and not drafter._frozen["embed"].weight.requires_grad
+
+
+def test_a_draft_vocabulary_size_without_its_ids_is_refused_saying_which():
+    from dataclasses import replace
+
+    from pipeline.drafter.vocab import DraftVocab
+
+    config = tiny_drafter().config
+    embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    with pytest.raises(ValueError, match="^draft_vocab_size 3 but no draft vocabulary given$"):
+        DFlashDrafter(replace(config, draft_vocab_size=3), embed=embed, lm_head=head)
+    with pytest.raises(ValueError, match="^draft_vocab_size None but 3 draft ids given$"):
+        DFlashDrafter(config, embed=embed, lm_head=head, draft_vocab=DraftVocab(torch.tensor([1, 4, 6]), V))
 
 
 def test_export_round_trip_and_names(tmp_path):

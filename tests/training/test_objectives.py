@@ -108,7 +108,7 @@ def problem(seed: int, one_hot: bool = False):
     return hidden, weight, labels, weights, soft_ids, soft_probs
 
 
-@pytest.mark.parametrize("terms", [{"ce": 1.0}, {"kl": 1.0}, {"tv": 1.0}, {"nla": 1.0}, {"lk": 1.0},
+@pytest.mark.parametrize("terms", [{"ce": 1.0}, {"ce": 2.0}, {"kl": 1.0}, {"tv": 1.0}, {"nla": 1.0}, {"lk": 1.0},
                                    {"ce": 1.0, "tv": 0.5}, {"kl": 0.3, "lk": 0.7, "nla": 0.2}])
 @pytest.mark.parametrize("dpace_alpha", [None, 0.5])
 @pytest.mark.parametrize("chunk_rows", [1, 4, None])
@@ -118,19 +118,24 @@ def test_each_loss_value_and_gradient_equal_the_plain_full_vocabulary_reference(
         weights = (weights > 0).float()               # D-PACE takes the mask
     want_h = hidden.clone().requires_grad_()
     want = plain_loss(want_h, weight, labels, weights, soft_ids, soft_probs, terms, dpace_alpha)
-    want.backward()
+    (3 * want).backward()       # training scales the loss before backward (world / global weight)
     got_h = hidden.clone().requires_grad_()
     sums = {}
-    soft = terms != {"ce": 1.0}
+    soft = set(terms) != {"ce"}                     # ce alone: hard labels, no stored top-k
     got, _ = supervised_loss(got_h, weight, labels, weights, soft_ids=soft_ids if soft else None,
                              soft_probs=soft_probs if soft else None, chunk_rows=chunk_rows, terms=terms,
                              dpace_alpha=dpace_alpha, term_sums=sums)
-    got.backward()
+    (3 * got).backward()
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
     scale = want_h.grad.abs().max()
     assert scale > 0
     assert float((got_h.grad - want_h.grad).abs().max() / scale) < 1e-5
     assert sum(c * float(sums[name]) for name, c in terms.items()) == pytest.approx(float(got.detach()), rel=1e-5)
+    # the plain cross-entropy of the hard label, unweighted, over the supervised slots (the log's "ce")
+    logq = torch.log_softmax(hidden.reshape(-1, H) @ weight.t(), dim=-1)
+    supervised = weights.reshape(-1) > 0
+    plain = -logq[supervised].gather(-1, labels.reshape(-1)[supervised][:, None]).sum()
+    assert float(sums[loss_module.PLAIN_CE]) == pytest.approx(float(plain), rel=1e-5)
     for name in terms:   # each term on its own, as the train log records it
         alone = plain_loss(hidden, weight, labels, weights, soft_ids, soft_probs, {name: 1.0}, dpace_alpha)
         assert float(sums[name]) == pytest.approx(float(alone), rel=1e-5), name
@@ -169,8 +174,36 @@ def test_no_more_than_one_chunk_of_vocabulary_logits(terms, dpace_alpha, monkeyp
     monkeypatch.setattr(loss_module, "_chunk_logits", recording)
     h = hidden.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        soft = terms != {"ce": 1.0}
+        soft = set(terms) != {"ce"}
         supervised_loss(h, weight, labels, weights, soft_ids=soft_ids if soft else None,
                         soft_probs=soft_probs if soft else None, chunk_rows=4, terms=terms, dpace_alpha=dpace_alpha)
     assert chunks and max(chunks) <= 4 and sum(chunks) == int((weights > 0).sum())
     assert saved and [s for s in saved if V in s and s != (V, H)] == []
+
+
+def test_a_chunk_of_logits_is_the_budget_in_fp32_and_never_empty():
+    for vocab in (248_320, 151_936, 1000):
+        rows = loss_module.chunk_rows_for(vocab)
+        assert rows * 4 * vocab <= loss_module.CHUNK_BYTES < (rows + 1) * 4 * vocab
+    assert loss_module.chunk_rows_for(10**9) == 1       # a vocabulary wider than the budget: a row a chunk
+
+
+def test_the_default_chunk_follows_the_vocabulary_not_the_width(monkeypatch):
+    hidden, weight, labels, weights, _, _ = problem(5)
+    chunks, asked = [], []
+    original = loss_module._chunk_logits
+    monkeypatch.setattr(loss_module, "_chunk_logits", lambda h, w: chunks.append(h.shape[0]) or original(h, w))
+    monkeypatch.setattr(loss_module, "chunk_rows_for", lambda vocab: asked.append(vocab) or 3)
+    supervised_loss(hidden, weight, labels, weights)
+    assert asked == [V] and max(chunks) == 3
+
+
+def test_the_hits_of_a_head_narrower_than_the_top_8():
+    # a (draft) head of 5 tokens: every label is inside its top 8, the top-1 as the argmax says
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 4, H, generator=g), torch.randn(5, H, generator=g)
+    labels, weights = torch.randint(0, 5, (2, 4), generator=g), torch.ones(2, 4)
+    for soft_ids, soft_probs in ((None, None), (torch.randint(0, 5, (2, 4, 3), generator=g), torch.full((2, 4, 3), 1 / 3))):
+        _, hits = supervised_loss(hidden, weight, labels, weights, soft_ids=soft_ids, soft_probs=soft_probs, with_hits=True)
+        argmax = (hidden @ weight.t()).argmax(-1)
+        assert torch.equal(hits[..., 0], argmax == labels) and hits[..., 2].all()

@@ -79,3 +79,17 @@ def test_draft_vocabulary_labels_and_soft_targets_by_hand():
     want = [[[0.7, 0.2], [0.7, 0.2], [1.0, 0.0]], [[0.7, 0.2], [0.7, 0.2], [0.0, 0.0]]]
     assert blocks.soft_probs.tolist() == [[[pytest.approx(x) for x in row] for row in a] for a in want]
     assert torch.equal(blocks.soft_probs[0, 0], p) and torch.equal(blocks.soft_probs[1, 1], p)
+
+
+def test_a_sample_without_a_valid_anchor_prepares_to_none():
+    # DESIGN 3.3: an anchor needs loss_mask[a] and loss_mask[a + 1]; a mask with no two
+    # supervised tokens in a row has none, and the step leaves the sample out
+    sample = lb.sample(40, 0)
+    sample["loss_mask"][:] = [1, 0] * 20
+    assert prepare(sample, block_size=lb.B, num_anchors=9, max_length=4096, mask_token_id=lb.V - 1, gamma=4.0,
+                   generator=torch.Generator().manual_seed(0)) is None
+    sample["loss_mask"][:] = 0
+    sample["loss_mask"][10:12] = 1
+    blocks = prepare(sample, block_size=lb.B, num_anchors=9, max_length=4096, mask_token_id=lb.V - 1, gamma=4.0,
+                     generator=torch.Generator().manual_seed(0))
+    assert blocks.anchors.tolist() == [10]
