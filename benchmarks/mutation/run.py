@@ -148,10 +148,11 @@ MAPPING: dict[str, dict] = {
         "why": "DESIGN 3.5's mask rule, and the stored-mask check verify-cache runs with it"},
     "pipeline/drafter/model.py": {
         "group": "drafter", "tests": [
-            "tests/drafter/test_drafter.py", "tests/drafter/test_reference_export.py", "tests/drafter/test_incremental.py",
-            "tests/drafter/test_attention_rule.py",
+            "tests/drafter/test_drafter.py", "tests/drafter/test_incremental.py", "tests/drafter/test_attention_rule.py",
+            "tests/drafter/test_reference_export.py", "tests/training/test_loss.py", "tests/training/test_flex_step.py",
             "tests/training/test_draft_vocab.py::test_the_whole_vocabulary_as_a_draft_vocabulary_changes_no_bit"],
-        "why": "the drafter against the reference implementation; the head's weight as training's loss reads it"},
+        "why": ("the drafter against the reference implementation; training's attention paths (split, flex, "
+                "compiled) and the head's weight as its loss reads them")},
     "pipeline/eval/speculative_sampling.py": {
         "group": "eval", "tests": [
             "tests/eval/test_sampling_keys.py", "tests/eval/test_ties.py", *(f"tests/eval/test_sampling.py::{t}" for t in (

@@ -194,10 +194,9 @@ def split_block_attention(q, k, v, context_len: int, anchors_BA: torch.Tensor, w
     for i, (low_anchor, high) in zip(starts, bounds):
         low = window_start(low_anchor, window)
         spans.append((low, max(high, low), i * block, min(i + piece_anchors, a) * block))
-    if len(spans) == 1 and spans[0][:2] == (0, context_len):
-        piece_keys, piece_values = (k,), (v,)
-    else:
-        piece_keys, piece_values = _PieceRows.apply(k, context_len, spans), _PieceRows.apply(v, context_len, spans)
+    # Every piece copies its rows: no piece's keys are the whole of k, since its context ends at its
+    # highest anchor, which is below context_len.
+    piece_keys, piece_values = _PieceRows.apply(k, context_len, spans), _PieceRows.apply(v, context_len, spans)
     piece_queries = q.split(piece_anchors * block, dim=2)
     # The block part of a piece's mask depends only on the piece's size: built once per size.
     block_masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -133,3 +133,13 @@ def test_export_round_trip_and_names(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(PipelineError, match="does not match its config"):
         load_drafter(out, embed=drafter._frozen["embed"], lm_head=drafter._frozen["lm_head"])
+
+
+def test_the_attention_path_follows_the_request_and_the_device():
+    from pipeline.drafter.model import attention_path
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [attention_path("auto", cpu), attention_path("auto", cuda)] == ["split", "flex"]
+    assert [attention_path(p, d) for p in ("flex", "split") for d in (cpu, cuda)] == ["flex", "flex", "split", "split"]
+    with pytest.raises(ValueError, match=r"^attention path must be one of \('auto', 'flex', 'split'\), got 'dense'$"):
+        attention_path("dense", cpu)

@@ -8,7 +8,7 @@ import torch
 from pipeline.drafter.incremental import DraftContext
 from pipeline.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterConfig
 
-H, V, B, TAPS = 32, 50, 4, 3
+H, V, B, TAPS = 32, 50, 4, 3     # 6 heads: not the block size, so a key layout that mixed the two shows
 
 # (layer kinds, sliding window)
 LAYOUTS = [
@@ -26,7 +26,7 @@ CHUNKS = [5, 1, 30, 40, 3, 70]
 def drafter_with(layer_types, window, seed=0):
     torch.manual_seed(seed)
     config = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=len(layer_types),
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=8, vocab_size=V,
                            target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=V - 1, block_size=B,
                            layer_types=layer_types, sliding_window=window)
     return DFlashDrafter(config, embed=torch.nn.Embedding(V, H), lm_head=torch.nn.Linear(H, V, bias=False)).eval()

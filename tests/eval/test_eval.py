@@ -88,9 +88,14 @@ def test_an_oracle_drafter_reaches_the_block_size_and_an_untrained_one_about_one
             ahead = reference[pos - start + 1:pos - start + block]
             return ahead + [0] * (block - 1 - len(ahead))
 
+        tokens_before, passes_before = live.tokens, live.passes
         run = block_decode(live, None, p["ids"], max_new=96, eos=EOS, draft=oracle)
         assert run.tokens == reference
         assert all(a == block - 1 for a in run.accepted[:-1]), run.accepted  # tau = B on every full step
+        # the accounting eval reports: every token the target took after the prompt was a verify
+        # pass's (the bonus and the drafts of each step), one prefill pass then one a step
+        assert run.verify_tokens == live.tokens - tokens_before - len(p["ids"]) == len(run.drafts) * block
+        assert run.target_passes == live.passes - passes_before == 1 + run.verify_passes == 1 + len(run.accepted)
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
     untrained = DFlashDrafter(DrafterConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                             num_attention_heads=6, num_key_value_heads=1, head_dim=32, vocab_size=512,
@@ -434,6 +439,10 @@ def test_tree_verify_auto_follows_its_rule():
     assert choose_tree_verify(20_000_000, batch_size=1, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(1_700_000, batch_size=8, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=False)[0] == "paths"
+    assert choose_tree_verify(1_700_000, batch_size=1, takes_mask=True)[1] == (
+        "1.7 M non-embedding parameters < 20 M: per-layer call overhead dominates")
+    assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=True)[1] == (
+        "229.0 M non-embedding parameters >= 20 M: the target's compute dominates")
 
 
 def test_eval_figures_reach_the_training_runs_tracker(trained, tmp_path):
