@@ -163,8 +163,9 @@ MAPPING: dict[str, dict] = {
         "why": "the acceptance rule and its keys (milliseconds), then its distribution: the slot test (seconds) before the decoding tests"},
     "pipeline/eval/speculative_decoding.py": {
         "group": "eval", "tests": [
-            "tests/eval/test_ties.py", *(f"tests/eval/test_eval.py::{t}" for t in (
+            "tests/eval/test_sampling_keys.py", "tests/eval/test_ties.py", *(f"tests/eval/test_eval.py::{t}" for t in (
                 "test_tree_is_best_first_within_its_budget", "test_tree_verify_auto_follows_its_rule",
+                "test_ddtree_follows_an_oracle_tree_to_its_depth_and_decodes_the_greedy_tokens",
                 "test_rejection_rolls_back_the_recurrent_state_exactly",
                 "test_commit_from_the_verify_pass_equals_rerunning_the_accepted_tokens",
                 "test_tree_verification_processes_each_node_once_and_equals_the_batched_paths",

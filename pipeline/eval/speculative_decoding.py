@@ -257,9 +257,6 @@ class Chooser:
     row: int
     pos: int
 
-    def __call__(self, logits: torch.Tensor, depth: int) -> int:
-        return _choose(logits, self.pos + 1 + depth, self.sampling, self.row)
-
     def many(self, logits_NV: torch.Tensor, depths: list[int]) -> list[int]:
         """The target's token after each of N nodes (node i at depth depths[i]) from their logits,
         in one read back to the host: every node's, the walk then reads the ones it reaches (a

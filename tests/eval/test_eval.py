@@ -105,6 +105,33 @@ def test_an_oracle_drafter_reaches_the_block_size_and_an_untrained_one_about_one
     assert sum(steps) / len(steps) < 1.3, steps
 
 
+@pytest.mark.parametrize("verify", ["tree", "paths"])
+def test_ddtree_follows_an_oracle_tree_to_its_depth_and_decodes_the_greedy_tokens(live, prompts, verify):
+    """A draft tree whose best path is the target's own greedy continuation, with noisy siblings at
+    every depth: each full step accepts the whole path (block - 1 tokens), the output is greedy's,
+    and every token the target took after the prompt was a verify pass's."""
+    from pipeline.eval.speculative_decoding import tree_decode
+
+    block, vocab = 8, live.model.config.vocab_size
+    for p in prompts[:3]:
+        reference = greedy(live, p["ids"], max_new=48, eos=EOS).tokens
+        start = len(p["ids"])
+        noise = torch.Generator().manual_seed(start)
+
+        def oracle(anchor, pos, reference=reference, start=start):
+            ahead = reference[pos - start + 1:pos - start + block]
+            logits = torch.randn(block - 1, vocab, generator=noise)
+            logits[torch.arange(len(ahead)), torch.tensor(ahead, dtype=torch.long)] += 12.0
+            return logits
+
+        tokens_before = live.tokens
+        run = tree_decode(live, None, p["ids"], max_new=48, eos=EOS, budget=24, verify=verify, draft=oracle)
+        assert run.tokens == reference
+        assert all(a == block - 1 for a in run.accepted[:-1]), run.accepted
+        assert run.verify_tokens == live.tokens - tokens_before - len(p["ids"])
+        assert run.verify_passes == len(run.accepted) == len(run.drafts)
+
+
 def test_rejection_rolls_back_the_recurrent_state_exactly(live, prompts):
     """After a rejection the committed state equals a fresh prefill of the accepted text. Cropping
     only the attention KV cache (the usual trick) leaves the Gated DeltaNet state wrong."""

@@ -96,3 +96,15 @@ def test_target_tokens_are_the_argmax_of_each_row_or_its_keyed_draw():
     s = sampler()
     keys = [(0, 12), (1, 12), (0, 13)]
     assert target_tokens(logits, keys, s) == [s.pick(r, p, logits[n]) for n, (r, p) in enumerate(keys)]
+
+
+def test_a_ddtree_node_gets_the_targets_draw_at_its_position():
+    """The token after a node at depth d of a step from `pos` is the target's own draw at position
+    pos + 1 + d (as a bonus token and plain sampling draw there); greedy, the argmax."""
+    from pipeline.eval.speculative_decoding import Chooser
+
+    s = sampler()
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    depths = [0, 1, 1, 2, 3]
+    assert Chooser(s, ROW, 20).many(logits, depths) == [s.pick(ROW, 21 + d, logits[i]) for i, d in enumerate(depths)]
+    assert Chooser(None, ROW, 20).many(logits, depths) == logits.argmax(-1).tolist()
