@@ -108,7 +108,7 @@ def problem(seed: int, one_hot: bool = False):
     return hidden, weight, labels, weights, soft_ids, soft_probs
 
 
-@pytest.mark.parametrize("terms", [{"ce": 1.0}, {"ce": 2.0}, {"kl": 1.0}, {"tv": 1.0}, {"nla": 1.0}, {"lk": 1.0},
+@pytest.mark.parametrize("terms", [{"ce": 1.0}, {"ce": 2.0}, {"kl": 1.0}, {"kl": 2.0}, {"tv": 1.0}, {"nla": 1.0}, {"lk": 1.0},
                                    {"ce": 1.0, "tv": 0.5}, {"kl": 0.3, "lk": 0.7, "nla": 0.2}])
 @pytest.mark.parametrize("dpace_alpha", [None, 0.5])
 @pytest.mark.parametrize("chunk_rows", [1, 4, None])
@@ -203,7 +203,26 @@ def test_the_hits_of_a_head_narrower_than_the_top_8():
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(2, 4, H, generator=g), torch.randn(5, H, generator=g)
     labels, weights = torch.randint(0, 5, (2, 4), generator=g), torch.ones(2, 4)
-    for soft_ids, soft_probs in ((None, None), (torch.randint(0, 5, (2, 4, 3), generator=g), torch.full((2, 4, 3), 1 / 3))):
-        _, hits = supervised_loss(hidden, weight, labels, weights, soft_ids=soft_ids, soft_probs=soft_probs, with_hits=True)
+    soft = (torch.randint(0, 5, (2, 4, 3), generator=g), torch.full((2, 4, 3), 1 / 3))
+    for (soft_ids, soft_probs), terms in (((None, None), None), (soft, None), (soft, {"ce": 1.0, "tv": 0.5})):
+        _, hits = supervised_loss(hidden, weight, labels, weights, soft_ids=soft_ids, soft_probs=soft_probs,
+                                  with_hits=True, terms=terms)
         argmax = (hidden @ weight.t()).argmax(-1)
         assert torch.equal(hits[..., 0], argmax == labels) and hits[..., 2].all()
+
+
+def test_the_hits_of_every_recipe_are_the_full_logits_top_1_4_8():
+    hidden, weight, _, weights, soft_ids, soft_probs = problem(11)
+    order = (hidden.reshape(-1, H) @ weight.t()).argsort(-1, descending=True)
+    # slot i's label is its (i mod 10)-th most likely token: top-1, inside the top 4, the top 8, or neither
+    label = order[torch.arange(A * B), torch.arange(A * B) % 10][:, None]
+    labels = label.view(A, B)
+    ranked = order[:, :8]
+    want = torch.stack([ranked[:, 0] == label[:, 0], (ranked[:, :4] == label).any(-1), (ranked == label).any(-1)], -1)
+    want = want.view(A, B, 3) & (weights > 0)[..., None]
+    assert 0 < int(want[..., 0].sum()) < int(want[..., 1].sum()) < int(want[..., 2].sum())   # each level adds hits
+    for terms in ({"ce": 1.0}, {"ce": 2.0}, {"kl": 1.0}, {"ce": 1.0, "tv": 0.5}):
+        soft = set(terms) != {"ce"}
+        _, hits = supervised_loss(hidden, weight, labels, weights, soft_ids=soft_ids if soft else None,
+                                  soft_probs=soft_probs if soft else None, with_hits=True, terms=terms)
+        assert torch.equal(hits, want), terms
