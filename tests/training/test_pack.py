@@ -11,7 +11,8 @@ import torch
 
 from harness import loss_batches as lb
 from pipeline.drafter.vocab import DraftVocab
-from pipeline.training.batch import SequenceBlocks, _to_draft_vocab, forward_logits, loss_sum, pack, placeholder, prepare
+from pipeline.training.batch import (SequenceBlocks, _to_draft_vocab, anchor_generator, forward_logits, loss_sum,
+                                     noise_generator, pack, placeholder, prepare)
 from pipeline.training.metrics import metric_sums
 
 
@@ -63,22 +64,38 @@ def test_draft_vocabulary_labels_and_soft_targets_by_hand():
     # target vocabulary of 10; the draft vocabulary keeps target ids 1, 4, 6 (draft ids 0, 1, 2)
     vocab = DraftVocab(torch.tensor([1, 4, 6]), 10)
     blocks = SequenceBlocks(torch.zeros(3, 1, 2), torch.zeros(6, dtype=torch.long), torch.arange(6), torch.tensor([0, 2]),
-                            labels=torch.tensor([[0, 4, 5], [0, 6, 1]]),
+                            labels=torch.tensor([[4, 4, 5], [0, 6, 6]]),
                             weights=torch.tensor([[0.0, 1.0, 0.5], [0.0, 1.0, 0.0]]))
-    blocks.soft_ids = torch.tensor([[[1, 4], [4, 6], [6, 5]], [[1, 6], [6, 1], [9, 8]]])
+    blocks.soft_ids = torch.tensor([[[1, 4], [4, 6], [6, 5]], [[9, 8], [6, 1], [1, 4]]])
     p = torch.tensor([0.7, 0.2])
     blocks.soft_probs = p.expand(2, 3, 2).clone()
     _to_draft_vocab(blocks, vocab)
-    # slot (0, 2): label 5 is outside: weight 0, marked outside; (1, 2) has weight 0 and is not supervised
+    # slot (0, 2): label 5 is outside: weight 0, marked outside; a slot of weight 0 has label 0
+    # whatever its target id ((0, 0), (1, 2): inside, yet not supervised)
     assert blocks.labels.tolist() == [[0, 1, 0], [0, 2, 0]]
     assert blocks.weights.tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
     assert blocks.outside.tolist() == [[False, False, True], [False, False, False]]
-    assert blocks.soft_ids.tolist() == [[[0, 1], [1, 2], [2, 0]], [[0, 2], [2, 0], [0, 0]]]
-    # rows with both entries inside keep their probabilities bit for bit; [6, 5] keeps 6 alone
-    # (renormalised to 1); [9, 8] keeps nothing and stays all zero
-    want = [[[0.7, 0.2], [0.7, 0.2], [1.0, 0.0]], [[0.7, 0.2], [0.7, 0.2], [0.0, 0.0]]]
+    assert blocks.soft_ids.tolist() == [[[0, 1], [1, 2], [2, 0]], [[0, 0], [2, 0], [0, 1]]]
+    # a row with both entries inside keeps its probabilities bit for bit, whatever the other rows
+    # of its slot or block lose; [6, 5] keeps 6 alone (renormalised to 1); [9, 8] keeps nothing
+    want = [[[0.7, 0.2], [0.7, 0.2], [1.0, 0.0]], [[0.0, 0.0], [0.7, 0.2], [0.7, 0.2]]]
     assert blocks.soft_probs.tolist() == [[[pytest.approx(x) for x in row] for row in a] for a in want]
-    assert torch.equal(blocks.soft_probs[0, 0], p) and torch.equal(blocks.soft_probs[1, 1], p)
+    for a, b in ((0, 0), (0, 1), (1, 1), (1, 2)):
+        assert torch.equal(blocks.soft_probs[a, b], p), (a, b)
+
+
+def test_every_sample_epoch_and_step_draws_from_its_own_stream():
+    """Anchors are resampled per (seed, epoch, sample) and the context noise per (seed, step,
+    sample): each key gets a stream of its own (the module docstring), the same one again for the
+    same key (so a resumed or re-sharded run draws what the first did)."""
+    def first_draws(generator):
+        return tuple(torch.randint(0, 2**31, (4,), generator=generator).tolist())
+
+    keys = [(seed, at, sample) for seed in (0, 1) for at in (0, 1, 7) for sample in (0, 1, 5, 1000)]
+    for make in (anchor_generator, noise_generator):
+        draws = [first_draws(make(*key)) for key in keys]
+        assert len(set(draws)) == len(keys), make.__name__
+        assert draws == [first_draws(make(*key)) for key in keys]
 
 
 def test_a_sample_without_a_valid_anchor_prepares_to_none():
