@@ -113,6 +113,20 @@ def test_flex_attention_follows_the_rule(window):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_block_longer_than_a_piece_is_split_one_anchor_a_piece():
+    """A block of more than PIECE_QUERIES queries still splits (one anchor a piece, never zero)
+    and equals the packed dense mask."""
+    from pipeline.drafter.model import PIECE_QUERIES
+    block, t = PIECE_QUERIES + 2, 12
+    torch.manual_seed(3)
+    anchors = torch.tensor([[3, 9]])
+    q = torch.randn(1, 2, 2 * block, 4)
+    k, v = torch.randn(2, 1, 1, t + 2 * block, 4)
+    block_pos = anchors.repeat_interleave(block, dim=1) + torch.arange(2 * block) % block
+    want = dense_attention(block_mask(anchors, t, block), block_pos, torch.arange(t)[None])(q, k, v, None)
+    torch.testing.assert_close(split_block_attention(q, k, v, t, anchors), want, rtol=1e-5, atol=1e-6)
+
+
 def drafter(layer_types, window):
     torch.manual_seed(0)
     h, v = 32, 60

@@ -81,6 +81,26 @@ def test_frozen_embedding_and_head_are_not_parameters():
     assert not drafter.lm_head_weight.requires_grad and not drafter._frozen["embed"].weight.requires_grad
 
 
+def test_a_dtype_or_device_move_takes_the_frozen_modules_along():
+    """`.double()` (as `.to(device)`) moves every trainable layer and the frozen, shared embedding
+    and head too: they are kept out of the module tree, so `_apply` has to carry them."""
+    drafter = tiny_drafter().double()
+    assert {p.dtype for p in drafter.parameters()} == {torch.float64}
+    assert drafter._frozen["embed"].weight.dtype == drafter.lm_head_weight.dtype == torch.float64
+
+
+def test_a_fresh_drafters_linear_layers_keep_the_scale_of_their_input():
+    """Each trainable linear layer starts N(0, 1/fan_in), so a unit-scale input gives unit-scale
+    features through every layer of an untrained drafter (torch's default would give a third of
+    the variance per layer). 10% covers the sampling error of the smallest matrix (~2%)."""
+    drafter = tiny_drafter()
+    layers = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(layers) == 1 + 2 * 7  # fc, and per layer q k v o gate up down
+    for m in layers:
+        std = m.weight.std().item() * m.in_features ** 0.5
+        assert 0.9 < std < 1.1, (m, std)
+
+
 def test_a_draft_vocabulary_size_without_its_ids_is_refused_saying_which():
     from dataclasses import replace
 
