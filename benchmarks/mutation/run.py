@@ -165,7 +165,11 @@ MAPPING: dict[str, dict] = {
         "group": "eval", "tests": [
             "tests/eval/test_sampling_keys.py", "tests/eval/test_ties.py", *(f"tests/eval/test_eval.py::{t}" for t in (
                 "test_tree_is_best_first_within_its_budget", "test_tree_verify_auto_follows_its_rule",
+                "test_the_prefill_state_continues_as_a_full_forward_and_the_drafter_gets_the_prompts_taps",
+                "test_a_tree_walk_follows_the_targets_choices_and_commits_the_path_it_accepts",
                 "test_ddtree_follows_an_oracle_tree_to_its_depth_and_decodes_the_greedy_tokens",
+                "test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to",
+                "test_a_prompt_sampled_alone_is_prompt_0_of_a_batch",
                 "test_rejection_rolls_back_the_recurrent_state_exactly",
                 "test_commit_from_the_verify_pass_equals_rerunning_the_accepted_tokens",
                 "test_tree_verification_processes_each_node_once_and_equals_the_batched_paths",

@@ -52,13 +52,11 @@ def greedy(target: LiveTarget, prompt: list[int], *, max_new: int, eos: set[int]
     """Plain decoding, one target pass a token: greedy, or sampled with `sampling` (prompt index
     `row` keys its random numbers)."""
     start = target.passes
-    step = target.run(prompt, None, 0, with_hidden=False, last_only=True)
+    state, pos, token = _prefill(target, prompt, None, sampling, row)
     out: list[int] = []
-    pos = len(prompt)
-    token = _choose(step.logits[-1], pos, sampling, row)
     while not _finish(out, [token], eos, max_new):
-        step = target.run([token], step.state, pos, with_hidden=False)
-        pos += 1
+        step = target.run([token], state, pos, with_hidden=False)
+        state, pos = step.state, pos + 1
         token = _choose(step.logits[-1], pos, sampling, row)
     return Decoded(out, target_passes=target.passes - start)
 
@@ -113,7 +111,7 @@ def drafting(drafter, cached: bool = True):
     return DraftContext(drafter) if cached else Recomputed(drafter)
 
 
-def _prefill(target: LiveTarget, prompt: list[int], context, sampling: SpeculativeSampler | None = None, row: int = 0):
+def _prefill(target: LiveTarget, prompt: list[int], context, sampling: SpeculativeSampler | None, row: int):
     """(committed state, position of the first new token, that token); the prompt's tapped hidden
     states go into the drafter's context."""
     pre = target.run(prompt, None, 0, with_hidden=context is not None, last_only=True)

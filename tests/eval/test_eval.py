@@ -1,6 +1,7 @@
 """`pipeline eval`: real speculative decoding is lossless, rolls the hybrid cache back exactly, and
 its acceptance agrees with the teacher-forced estimate from training."""
 
+import functools
 import json
 
 import pytest
@@ -124,12 +125,138 @@ def test_ddtree_follows_an_oracle_tree_to_its_depth_and_decodes_the_greedy_token
             logits[torch.arange(len(ahead)), torch.tensor(ahead, dtype=torch.long)] += 12.0
             return logits
 
-        tokens_before = live.tokens
+        tokens_before, passes_before = live.tokens, live.passes
         run = tree_decode(live, None, p["ids"], max_new=48, eos=EOS, budget=24, verify=verify, draft=oracle)
         assert run.tokens == reference
         assert all(a == block - 1 for a in run.accepted[:-1]), run.accepted
         assert run.verify_tokens == live.tokens - tokens_before - len(p["ids"])
         assert run.verify_passes == len(run.accepted) == len(run.drafts)
+        assert run.target_passes == live.passes - passes_before == 1 + run.verify_passes
+        # the tree pass takes each node once (the bonus and the tree); the paths repeat shared prefixes
+        nodes = sum(len(d) + 1 for d in run.drafts)
+        assert run.verify_tokens == nodes if verify == "tree" else run.verify_tokens > nodes
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("verify", ["tree", "paths"])
+def test_a_tree_walk_follows_the_targets_choices_and_commits_the_path_it_accepts(live, prompts, verify, sampled):
+    """One DDTree step against an oracle written from the rule with plain forwards: from the
+    root, the target's token after the path so far (the argmax, or its draw keyed at position
+    pos + 1 + depth) is accepted while it is a child in the tree. The walk returns those tokens,
+    the token after them, the tapped hidden states of the bonus and accepted tokens, and a state
+    that continues exactly as a plain forward of them. The tree holds the oracle's path to depth 4,
+    with two more candidates beside its last token, and then goes elsewhere, among noisy siblings,
+    so the walk stops inside it; a chain (one path) too."""
+    from pipeline.eval.speculative_decoding import Chooser, _verify_as_paths, _verify_as_tree
+    from pipeline.eval.speculative_sampling import SpeculativeSampler
+
+    sampling = SpeculativeSampler(temperature=1.0, seed=5) if sampled else None
+    row, vocab = 2, live.model.config.vocab_size
+    walk = _verify_as_tree if verify == "tree" else _verify_as_paths
+    for prompt in (prompts[0]["ids"][:40], prompts[1]["ids"][:56]):   # short: the prefill is most of the time
+        pos = len(prompt)
+        pre = live.run(prompt, None, 0, with_hidden=False)
+        state, bonus = pre.state, int(pre.logits[-1].argmax())
+
+        @functools.cache
+        def choice_after(path: tuple[int, ...]) -> int:
+            logits = live.run([bonus, *path], LiveTarget.copy(state), pos, with_hidden=False).logits[-1]
+            return int(logits.argmax()) if sampling is None else sampling.pick(row, pos + 1 + len(path), logits)
+
+        def target_token(path: list[int]) -> int:
+            return choice_after(tuple(path))
+
+        path = []
+        for _ in range(4):
+            path.append(target_token(path))
+        noise = torch.Generator().manual_seed(pos)
+        logits = torch.randn(7, vocab, generator=noise)
+        for depth, token in enumerate(path):
+            logits[depth, token] += 12.0
+        logits[3, [(path[3] + 1) % vocab, (path[3] + 2) % vocab]] += 8.0  # two more candidates at depth 3
+        logits[4, (target_token(path) + 1) % vocab] += 12.0   # the tree's best path leaves the target's here
+        # a bushy tree, and a chain (one path: top 1 at every depth)
+        for tree in (build_tree(torch.log_softmax(logits, -1), 24, 8), build_tree(torch.log_softmax(logits, -1), 6, 1)):
+            # the oracle's walk over this tree
+            accepted, nodes = [], [-1]
+            while (child := tree.children.get(nodes[-1], {}).get(token := target_token(accepted))) is not None:
+                accepted.append(token)
+                nodes.append(child)
+            assert len(accepted) >= 4, (accepted, path, tree.children)
+            assert len(tree.paths()) == 1 or len(tree.children[nodes[-2]]) == 3   # the walk passes a fork last
+
+            got, choice, committed, hidden = walk(live, tree, bonus, LiveTarget.copy(state), pos, Chooser(sampling, row, pos))
+            assert (got, choice) == (accepted, token)
+            plain = live.run([bonus, *accepted, 3], LiveTarget.copy(state), pos)
+            torch.testing.assert_close(hidden, plain.hidden[:-1], rtol=1e-4, atol=1e-4)
+            after = live.run([3], committed, pos + len(accepted) + 1, with_hidden=False).logits[-1]
+            torch.testing.assert_close(after, plain.logits[-1], rtol=1e-4, atol=1e-4)
+
+
+def untrained_drafter(embedded, block: int = 4) -> DFlashDrafter:
+    torch.manual_seed(0)
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    return DFlashDrafter(DrafterConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=512,
+                                       target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=499,
+                                       block_size=block), embed=embed, lm_head=head).eval()
+
+
+def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live, prompts, embedded, monkeypatch):
+    """Block, DDTree and batched decoding draft from the drafter's KV cache by default (the full
+    recompute over the context, `draft_logits`, is the reference: quadratic in the answer's length);
+    `cached=False` asks for the recompute."""
+    from pipeline.eval import speculative_decoding as sd
+    from pipeline.eval.batched import decode_rows
+
+    drafter, calls = untrained_drafter(embedded), []
+    recompute = sd.draft_logits
+    monkeypatch.setattr(sd, "draft_logits", lambda *args: calls.append(args[2:]) or recompute(*args))
+    short = [prompts[0]["ids"][:40], prompts[1]["ids"][:30]]
+    run = sd.block_decode(live, drafter, short[0], max_new=6, eos=set())
+    assert {len(d) for d in run.drafts} == {drafter.config.block_size - 1}   # B - 1 drafts a step
+    sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8)
+    decode_rows(live, drafter, short, max_new=6, eos=set())
+    decode_rows(live, drafter, short, max_new=6, eos=set(), budget=8)
+    assert calls == []
+    for decode in (sd.block_decode, functools.partial(sd.tree_decode, budget=8)):
+        decode(live, drafter, short[0], max_new=6, eos=set(), cached=False)
+        assert calls and calls[0][1] == len(short[0])   # the first draft: after the prompt
+        calls.clear()
+
+
+def test_a_prompt_sampled_alone_is_prompt_0_of_a_batch(live, prompts, embedded):
+    """Sampled, a prompt decoded alone without a row draws the numbers of the first prompt of a
+    batch (eval's prompt 0): plain, block and DDTree decoding."""
+    from pipeline.eval.batched import decode_rows
+    from pipeline.eval.speculative_decoding import greedy_rows, tree_decode
+    from pipeline.eval.speculative_sampling import SpeculativeSampler
+
+    drafter, sampling = untrained_drafter(embedded), SpeculativeSampler(temperature=1.0, seed=11)
+    prompt = prompts[0]["ids"][:40]
+    alone = greedy(live, prompt, max_new=12, eos=set(), sampling=sampling).tokens
+    assert alone == greedy_rows(live, [prompt], max_new=12, eos=set(), sampling=sampling)[0].tokens
+    assert alone != greedy(live, prompt, max_new=12, eos=set(), sampling=sampling, row=1).tokens  # rows differ
+    assert (block_decode(live, drafter, prompt, max_new=12, eos=set(), sampling=sampling).tokens
+            == decode_rows(live, drafter, [prompt], max_new=12, eos=set(), sampling=sampling)[0].tokens)
+    assert (tree_decode(live, drafter, prompt, max_new=12, eos=set(), budget=8, sampling=sampling).tokens
+            == decode_rows(live, drafter, [prompt], max_new=12, eos=set(), budget=8, sampling=sampling)[0].tokens)
+
+
+def test_the_prefill_state_continues_as_a_full_forward_and_the_drafter_gets_the_prompts_taps(live, prompts):
+    """What every decoder starts from: the prompt at positions 0.., the target's first token, a state
+    whose next steps give a full forward's logits and taps, and the prompt's taps in the drafter's
+    context."""
+    from pipeline.eval.speculative_decoding import Recomputed, _prefill
+
+    prompt, context = prompts[0]["ids"][:40], Recomputed(None)
+    state, pos, token = _prefill(live, prompt, context, None, 0)
+    full = live.run([*prompt, token, 7], None, 0)
+    assert (pos, token) == (len(prompt), int(full.logits[pos - 1].argmax()))
+    torch.testing.assert_close(context.context, full.hidden[:pos], rtol=1e-4, atol=1e-5)
+    after = live.run([token, 7], state, pos)
+    torch.testing.assert_close(after.logits, full.logits[pos:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(after.hidden, full.hidden[pos:], rtol=1e-4, atol=1e-4)
 
 
 def test_rejection_rolls_back_the_recurrent_state_exactly(live, prompts):
