@@ -205,7 +205,7 @@ def untrained_drafter(embedded, block: int = 4) -> DFlashDrafter:
 def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live, prompts, embedded, monkeypatch):
     """Block, DDTree and batched decoding draft from the drafter's KV cache by default (the full
     recompute over the context, `draft_logits`, is the reference: quadratic in the answer's length);
-    `cached=False` asks for the recompute."""
+    `cached=False` asks for the recompute, which drafts the same tokens."""
     from pipeline.eval import speculative_decoding as sd
     from pipeline.eval.batched import decode_rows
 
@@ -220,8 +220,9 @@ def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live,
     decode_rows(live, drafter, short, max_new=6, eos=set(), budget=8)
     assert calls == []
     for decode in (sd.block_decode, functools.partial(sd.tree_decode, budget=8)):
-        decode(live, drafter, short[0], max_new=6, eos=set(), cached=False)
+        full = decode(live, drafter, short[0], max_new=6, eos=set(), cached=False)
         assert calls and calls[0][1] == len(short[0])   # the first draft: after the prompt
+        assert full.drafts == decode(live, drafter, short[0], max_new=6, eos=set()).drafts
         calls.clear()
 
 
@@ -592,6 +593,7 @@ def test_tree_verify_auto_follows_its_rule():
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(20_000_000, batch_size=1, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(1_700_000, batch_size=8, takes_mask=True)[0] == "tree"
+    assert choose_tree_verify(1_700_000, batch_size=2, takes_mask=False)[0] == "tree"   # from two prompts a pass
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=False)[0] == "paths"
     assert choose_tree_verify(1_700_000, batch_size=1, takes_mask=True)[1] == (
         "1.7 M non-embedding parameters < 20 M: per-layer call overhead dominates")
