@@ -215,6 +215,7 @@ def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live,
     short = [prompts[0]["ids"][:40], prompts[1]["ids"][:30]]
     run = sd.block_decode(live, drafter, short[0], max_new=6, eos=set())
     assert {len(d) for d in run.drafts} == {drafter.config.block_size - 1}   # B - 1 drafts a step
+    assert run.tokens == greedy(live, short[0], max_new=6, eos=set()).tokens
     sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8)
     decode_rows(live, drafter, short, max_new=6, eos=set())
     decode_rows(live, drafter, short, max_new=6, eos=set(), budget=8)
@@ -592,6 +593,7 @@ def test_tree_verify_auto_follows_its_rule():
     assert choose_tree_verify(1_700_000, batch_size=1, takes_mask=True)[0] == "paths"
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(20_000_000, batch_size=1, takes_mask=True)[0] == "tree"
+    assert choose_tree_verify(19_999_999, batch_size=1, takes_mask=True)[0] == "paths"
     assert choose_tree_verify(1_700_000, batch_size=8, takes_mask=True)[0] == "tree"
     assert choose_tree_verify(1_700_000, batch_size=2, takes_mask=False)[0] == "tree"   # from two prompts a pass
     assert choose_tree_verify(229_000_000, batch_size=1, takes_mask=False)[0] == "paths"
