@@ -215,7 +215,7 @@ def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live,
     short = [prompts[0]["ids"][:40], prompts[1]["ids"][:30]]
     run = sd.block_decode(live, drafter, short[0], max_new=6, eos=set())
     assert {len(d) for d in run.drafts} == {drafter.config.block_size - 1}   # B - 1 drafts a step
-    assert run.tokens == greedy(live, short[0], max_new=6, eos=set()).tokens
+    assert run.tokens == greedy(live, short[0], max_new=6, eos=set()).tokens and len(run.tokens) == 6  # max_new, no more
     sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8)
     decode_rows(live, drafter, short, max_new=6, eos=set())
     decode_rows(live, drafter, short, max_new=6, eos=set(), budget=8)
