@@ -216,7 +216,8 @@ def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live,
     run = sd.block_decode(live, drafter, short[0], max_new=6, eos=set())
     assert {len(d) for d in run.drafts} == {drafter.config.block_size - 1}   # B - 1 drafts a step
     assert run.tokens == greedy(live, short[0], max_new=6, eos=set()).tokens and len(run.tokens) == 6  # max_new, no more
-    sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8)
+    for verify in ("tree", "paths"):   # an untrained drafter: mostly nothing accepted
+        assert sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8, verify=verify).tokens == run.tokens
     decode_rows(live, drafter, short, max_new=6, eos=set())
     decode_rows(live, drafter, short, max_new=6, eos=set(), budget=8)
     assert calls == []
