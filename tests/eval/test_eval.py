@@ -216,8 +216,10 @@ def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live,
     run = sd.block_decode(live, drafter, short[0], max_new=6, eos=set())
     assert {len(d) for d in run.drafts} == {drafter.config.block_size - 1}   # B - 1 drafts a step
     assert run.tokens == greedy(live, short[0], max_new=6, eos=set()).tokens and len(run.tokens) == 6  # max_new, no more
-    for verify in ("tree", "paths"):   # an untrained drafter: mostly nothing accepted
-        assert sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8, verify=verify).tokens == run.tokens
+    # an untrained drafter: mostly nothing accepted; top 1 at every depth makes the tree one path
+    for verify, top_k in (("tree", 8), ("paths", 8), ("paths", 1)):
+        tree_run = sd.tree_decode(live, drafter, short[0], max_new=6, eos=set(), budget=8, top_k=top_k, verify=verify)
+        assert tree_run.tokens == run.tokens
     decode_rows(live, drafter, short, max_new=6, eos=set())
     decode_rows(live, drafter, short, max_new=6, eos=set(), budget=8)
     assert calls == []
