@@ -71,6 +71,16 @@ def test_block_and_tree_decoding_equal_greedy_on_every_evaluated_prompt(full_eva
     assert result["tree"]["16"]["tau_pooled"] >= block["tau_pooled"] - 0.05
 
 
+def untrained_drafter(embedded, block: int = 4) -> DFlashDrafter:
+    """A random drafter of the embedded target's width: drafts it rarely accepts."""
+    torch.manual_seed(0)
+    embed, head = frozen_target_modules(embedded.TARGET_DIR)
+    return DFlashDrafter(DrafterConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                       num_attention_heads=6, num_key_value_heads=1, head_dim=32, vocab_size=512,
+                                       target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=499,
+                                       block_size=block), embed=embed, lm_head=head).eval()
+
+
 def test_an_oracle_drafter_reaches_the_block_size_and_an_untrained_one_about_one(live, prompts, embedded):
     long = []   # (prompt, its greedy answer)
     for p in prompts:
@@ -97,11 +107,7 @@ def test_an_oracle_drafter_reaches_the_block_size_and_an_untrained_one_about_one
         # pass's (the bonus and the drafts of each step), one prefill pass then one a step
         assert run.verify_tokens == live.tokens - tokens_before - len(p["ids"]) == len(run.drafts) * block
         assert run.target_passes == live.passes - passes_before == 1 + run.verify_passes == 1 + len(run.accepted)
-    embed, head = frozen_target_modules(embedded.TARGET_DIR)
-    untrained = DFlashDrafter(DrafterConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                                            num_attention_heads=6, num_key_value_heads=1, head_dim=32, vocab_size=512,
-                                            target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=499,
-                                            block_size=block), embed=embed, lm_head=head).eval()
+    untrained = untrained_drafter(embedded, block)
     steps = [a + 1 for p, _ in long for a in block_decode(live, untrained, p["ids"], max_new=96, eos=EOS).accepted]
     assert sum(steps) / len(steps) < 1.3, steps
 
@@ -193,13 +199,6 @@ def test_a_tree_walk_follows_the_targets_choices_and_commits_the_path_it_accepts
             torch.testing.assert_close(after, plain.logits[-1], rtol=1e-4, atol=1e-4)
 
 
-def untrained_drafter(embedded, block: int = 4) -> DFlashDrafter:
-    torch.manual_seed(0)
-    embed, head = frozen_target_modules(embedded.TARGET_DIR)
-    return DFlashDrafter(DrafterConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=512,
-                                       target_layer_ids=[1, 3, 5], num_target_layers=8, mask_token_id=499,
-                                       block_size=block), embed=embed, lm_head=head).eval()
 
 
 def test_decoding_drafts_through_the_drafters_kv_cache_unless_asked_not_to(live, prompts, embedded, monkeypatch):
