@@ -46,6 +46,13 @@ _pin_threads()
 from harness.prerequisites import pytest_runtest_setup  # noqa: E402,F401
 
 
+def pytest_collection_modifyitems(config, items):
+    """The shared trained drafter is built by the first file handed out, while the other worker
+    runs files that do not need it (harness/file_order.py)."""
+    from harness.file_order import ordered
+    items[:] = ordered(items, "trained_run", builder="tests/eval/test_eval.py")
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """The CLI sets torch's thread count for its process (`--threads auto`: fewer on a busy
