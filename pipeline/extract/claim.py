@@ -9,18 +9,26 @@ import re
 from pipeline.cache.commit import shard_committed
 from pipeline.files import FileLock
 from pipeline.cache.location import Location
-from pipeline.cache.schema import MANIFEST, shard_lock_name, shard_name
+from pipeline.cache.schema import BASIS, MANIFEST, shard_lock_name, shard_name
 from pipeline.cache.store_probe import PROBE_KEY
 from pipeline.distributed import Layout
 from pipeline.errors import PipelineError
 
 
-def refuse_foreign_content(location: Location) -> None:
+def refuse_foreign_content(location: Location, projected: bool) -> None:
     """A location without a manifest must be empty (or hold only this tool's lock files): a
-    prefix or directory that holds something else is never written into."""
+    prefix or directory that holds something else is never written into. A projected extract
+    stores its basis before the manifest (pipeline/extract/pilot_run.py), so a basis alone is a
+    projected cache's start, interrupted or under way in another launcher: a projected extract
+    goes on with it (its R is checked against the basis there), a whole-tap one is refused."""
     if location.read(MANIFEST) is not None:
         return
-    foreign = [k for k in location.some_keys(20) if not _ours(k)]
+    keys = location.some_keys(20)
+    if BASIS in keys and not projected and location.read(MANIFEST) is None:
+        raise PipelineError(f"{location.where(BASIS)}: a projected cache's basis, with no manifest.json yet (an "
+                            "`extract --project-taps R` started here): rerun that extract with its --project-taps, "
+                            "or choose an empty --cache location")
+    foreign = [k for k in keys if not _ours(k) and k != BASIS]
     # Another writer of this same cache (a second node starting with this one) may create the
     # manifest and its first shard between the read above and the listing: look once more.
     if foreign and location.read(MANIFEST) is None:

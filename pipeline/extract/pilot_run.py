@@ -22,6 +22,7 @@ from pipeline.cache.shard_plan import shard_rows
 from pipeline.data.samples import length_batches, prepare_samples
 from pipeline.distributed import broadcast_from_rank0, decided_on_rank0
 from pipeline.errors import PipelineError
+from pipeline.faults import failpoint
 from pipeline.projection.basis import SecondMoment, TapBasis, fit_basis
 from pipeline.projection.basis_file import read_basis, store_basis
 from pipeline.target_model.capture import right_padded, tapped_layers
@@ -92,6 +93,7 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs,
         fitted = decided_on_rank0(fit, rank=layout.rank, world=world, what="fitting the tap basis")
         fit_seconds = time.perf_counter() - start - forwards
     basis = read_basis(location)
+    failpoint("pilot.basis")  # stored, and no manifest yet: a kill here must leave a cache that resumes
     if basis is None:
         raise PipelineError(f"{location.where()}: the tap basis vanished after it was stored")
     if fitted is not None and basis.digest() != fitted:

@@ -76,7 +76,7 @@ def run_extract(cfg: ExtractConfig, shards_spec: str | None, *, progress: bool =
     probe = None
     if layout.is_writer:  # a bad location fails here, before any data is read or a model loaded
         location.ensure_root()
-        refuse_foreign_content(location)
+        refuse_foreign_content(location, projected=cfg.project_taps is not None)
         probe = check_create_if_absent(location)  # the commit protocol's one primitive, or no cache
     inputs = read_inputs(_with_source(cfg), shards_spec)
     cfg, target_dir, facts, taps, selected = inputs.cfg, inputs.target_dir, inputs.facts, inputs.taps, inputs.selected

@@ -5,8 +5,11 @@ sharded matmuls' rounding), and by two launchers started at once on the same cac
 stored, every shard naming its digest)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -90,3 +93,69 @@ def test_two_launchers_at_once_store_one_basis(tmp_path, data):
         assert p.returncode == 0, err[-3000:]
     digest = basis_digest_everywhere(cache)
     assert cache_basis(open_cache(cache)).digest() == digest
+
+
+def launch(cache, data, *extra, env=None):
+    return subprocess.Popen([sys.executable, "-m", "cli", *extract_args(cache, data, *extra)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def stored_basis_digest(cache) -> str:
+    from pipeline.cache.address import open_location
+    from pipeline.projection.basis_file import read_basis
+    return read_basis(open_location(str(cache))).digest()
+
+
+def test_a_start_killed_between_the_basis_and_the_manifest_resumes_with_the_stored_basis(tmp_path, data):
+    """Issue 77.1: extract stores basis.safetensors before manifest.json; a kill -9 in between
+    left a location the same command refused as "not a cache". The rerun goes on with the
+    stored basis; another R, or whole taps, is one line."""
+    cache = tmp_path / "cache"
+    killed = launch(cache, data, env={"PIPELINE_FAILPOINT": "pilot.basis@1"})
+    _, err = killed.communicate(timeout=600)
+    assert killed.returncode == -signal.SIGKILL, err[-2000:]
+    assert (cache / "basis.safetensors").is_file() and not (cache / "manifest.json").exists()
+    left = stored_basis_digest(cache)
+
+    other_rank = cli_here("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4",
+                          "--project-taps", "20", "--pilot-tokens", "1500")
+    assert other_rank.returncode == 1 and "projects" in other_rank.stderr and "--project-taps 20" in other_rank.stderr
+    whole = cli_here("extract", "--cache", str(cache), "--data", str(data), "--num-shards", "4")
+    lines = [line for line in whole.stderr.splitlines() if line.startswith("error:")]
+    assert whole.returncode == 1 and len(lines) == 1 and "basis.safetensors" in lines[0], whole.stderr
+    assert "--project-taps" in lines[0] and "Traceback" not in whole.stderr
+    assert not (cache / "manifest.json").exists()
+
+    rerun = cli_here(*extract_args(cache, data))
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout)["projection"]["basis"] == "read from the cache"
+    assert basis_digest_everywhere(cache) == left == stored_basis_digest(cache)
+
+
+def test_a_launcher_started_after_the_basis_exists_uses_it(tmp_path, data):
+    """Issue 77.1: launcher A is frozen right after storing the basis (before its manifest);
+    launcher B, started then on the other shards, reads that basis and completes; A goes on."""
+    cache = tmp_path / "cache"
+    a = launch(cache, data, "--shards", "0-1", env={"PIPELINE_FAILPOINT": "pilot.basis@1:stop"})
+    try:
+        deadline = time.monotonic() + 600
+        while not (cache / "basis.safetensors").is_file() or not stopped(a.pid):
+            assert a.poll() is None, a.communicate()[1][-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert not (cache / "manifest.json").exists()
+        b = cli_here(*extract_args(cache, data, "--shards", "2-3"))
+        assert b.returncode == 0, b.stderr
+        assert json.loads(b.stdout)["projection"]["basis"] == "read from the cache"
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    _, err = a.communicate(timeout=600)
+    assert a.returncode == 0, err[-3000:]
+    assert basis_digest_everywhere(cache) == stored_basis_digest(cache)
+
+
+def stopped(pid: int) -> bool:
+    """The process is in state T (stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
