@@ -100,3 +100,13 @@ def in_namespace(script: str, out: Path) -> None:
     done = subprocess.run(["unshare", "-rm", "sh", "-c", "set -u\n" + script], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.returncode, done.stderr, *(p.read_text() for p in out.glob("*.err")))
+
+
+def stopped(pid: int) -> bool:
+    """The process is frozen (SIGSTOP, as a failpoint's `:stop` does: state T in /proc/PID/stat);
+    False once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except FileNotFoundError:
+        return False

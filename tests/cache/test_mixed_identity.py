@@ -21,13 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from harness.caches import ARRAYS, edit_record
-from harness.runs import REPO, cli, cli_here
+from harness.runs import REPO, cli, cli_here, stopped
 from pipeline.cache.address import open_location
 from pipeline.cache.manifest import create_manifest, identity_conflicts, read_manifest
 from pipeline.cache.reader import CacheReader, open_cache
@@ -162,7 +161,7 @@ def test_extract_never_commits_under_a_replaced_manifest(tmp_path, twelve_rows_c
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and not _stopped(proc.pid):
+        while time.time() < deadline and not stopped(proc.pid):
             assert proc.poll() is None, proc.communicate()[1]
             time.sleep(0.2)
         manifest = json.loads((cache / "manifest.json").read_text())
@@ -182,8 +181,6 @@ def test_extract_never_commits_under_a_replaced_manifest(tmp_path, twelve_rows_c
     assert read_manifest(cache).shards == {}
 
 
-def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_a_directory_honours_create_if_absent(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 from harness.caches import assert_same_content, manifest_json
 from harness.kill_trials import BATCH_TOKENS, SHARDS, checked_trials
 from harness.marks import needs_s3
-from harness.runs import REPO
+from harness.runs import REPO, stopped
 from harness.s3_server import KEY_ID, SECRET, MotoServer, Outage, download, objects, use_server
 from pipeline.config import ExtractConfig
 from stages.extract.run import run_extract
@@ -169,9 +169,9 @@ def test_a_store_cut_off_mid_commit_fails_in_one_line_and_the_rerun_resumes(s3_s
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env, "COLUMNS": "200", "PIPELINE_FAILPOINT": "writer.fsynced@2:stop"})
     deadline = time.time() + 300
-    while time.time() < deadline and _state(proc.pid) != "T":
+    while time.time() < deadline and not stopped(proc.pid):
         time.sleep(0.05)
-    assert _state(proc.pid) == "T", "the extraction never reached its second commit"
+    assert stopped(proc.pid), "the extraction never reached its second commit"
     relay.cut()  # the store goes away between the shard's files and its commit record
     os.kill(proc.pid, signal.SIGCONT)
     _, stderr = proc.communicate(timeout=300)
@@ -188,11 +188,6 @@ def test_a_store_cut_off_mid_commit_fails_in_one_line_and_the_rerun_resumes(s3_s
     assert_same_content(download(s3_server.client(), bucket, "c/", tmp_path / "final"), reference)
 
 
-def _state(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
 
 
 def in_process(*args, env: dict):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from harness.caches import assert_same_content, manifest_json
-from harness.runs import REPO, cli_here, torchrun, write_rows
+from harness.runs import REPO, cli_here, stopped, torchrun, write_rows
 from pipeline.cache.reader import open_cache
 from pipeline.projection.basis_file import cache_basis
 
@@ -85,10 +85,8 @@ def test_tensor_parallel_2_stores_the_same_rows_up_to_rounding(tmp_path, data, r
 
 def test_two_launchers_at_once_store_one_basis(tmp_path, data):
     cache = tmp_path / "two"
-    launch = [subprocess.Popen([sys.executable, "-m", "cli", *extract_args(cache, data, "--shards", shards)],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for shards in ("0-1", "2-3")]
-    for p in launch:
+    launchers = [launch(cache, data, "--shards", shards) for shards in ("0-1", "2-3")]
+    for p in launchers:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
     digest = basis_digest_everywhere(cache)
@@ -153,9 +151,3 @@ def test_a_launcher_started_after_the_basis_exists_uses_it(tmp_path, data):
     _, err = a.communicate(timeout=600)
     assert a.returncode == 0, err[-3000:]
     assert basis_digest_everywhere(cache) == stored_basis_digest(cache)
-
-
-def stopped(pid: int) -> bool:
-    """The process is in state T (stopped by a signal)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from harness import machines
-from harness.runs import REPO, cli, cli_here, torchrun
+from harness.runs import REPO, cli, cli_here, stopped, torchrun
 
 RUN = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "6", "--num-anchors", "32",
        "--batch-sequences", "2", "--micro-batch-sequences", "2", "--json"]
@@ -38,12 +38,6 @@ def wait_for(condition, proc, what: str, seconds: float = 300) -> None:
         assert proc.poll() is None, f"the process ended before {what}"
         assert time.time() < deadline, f"no {what} within {seconds} s"
         time.sleep(0.05)
-
-
-def stopped(pid: int) -> bool:
-    """The process is frozen (SIGSTOP: state T in /proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def holder(run) -> subprocess.Popen:
