@@ -211,6 +211,7 @@ class TrainConfig:
     gamma: float | None = None               # None: 7 for B=16, 5 for B=10, 4 for B=8
     # A draft vocabulary (DESIGN 3.4; pipeline/training/draft_vocab.py): off by default until measured.
     draft_vocab: int | None = option(None, help="Draft from the K tokens the target predicts most often in the cache (its head: those K rows of the lm_head; reserved and byte tokens always kept); default: the whole vocabulary. README: Draft vocabulary.")
+    projected_fc: str = option("energy", help="On a projected cache (extract --project-taps): how fc' reads the stored components: 'energy' (each at its pilot RMS, fc' initialised as a whole-tap fc restricted to the basis; default) or 'unit' (as stored, unit RMS each: the first form, which lost tau).")
     noise_std: float = option(0.0, help="Gaussian noise on the input context features (0: off).")
     noise_schedule: str = "constant"         # "constant" | "linear" (to 0 at the last step)
     # Optimisation.
@@ -274,6 +275,7 @@ class TrainConfig:
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}"),
             (self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}"),
             (self.attention in ("auto", "flex", "split"), f"attention must be auto/flex/split, got {self.attention!r}"),
+            (self.projected_fc in ("energy", "unit"), f"projected_fc must be energy/unit, got {self.projected_fc!r}"),
             (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
             (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),

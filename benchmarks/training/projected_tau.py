@@ -4,6 +4,7 @@ acceptance length (tau) a drafter trained on it reaches, against the full taps, 
     python benchmarks/training/projected_tau.py --work DIR [--formats bf16,fp8] [--ranks full,192,128,96,64]
         [--seeds 0] [--extra-seeds 1,2] [--close 0.1] [--rows 400] [--shards 2] [--pilot-tokens 32768]
         [--steps 250] [--prompts 64] [--max-new-tokens 64] [--tree-budget 16,64] [--batch-size 16]
+        [--projected-fc energy]
 
 The embedded tiny target's taps are 3 x 128 = 384 values a token ("full"). For each hidden format
 and R: `pipeline extract` of the first `--rows` embedded training conversations in `--shards`
@@ -16,6 +17,11 @@ on this 2-core machine 30 s instead of 10 minutes): the pooled tau of each varia
 every output was greedy's (lossless). Energy: the manifest's capture.projection.energy, the share
 of the pilot's energy (sum of squares) the R components keep (1 for full); beside it, what
 `pipeline cache-info --energy` reads from the full cache's first N tokens at each R.
+
+`--projected-fc` is train's: how fc' reads the stored components ('energy', the default since
+issue 77: at each component's pilot RMS, fc' initialised as a whole-tap fc restricted to the basis;
+'unit': as stored, the first form). A projected run's files carry the form in their names
+(result-FMT-R-FORM-sS.json); full taps have none, so two invocations on one --work share them.
 
 Seeds: every config runs `--seeds`; then each config whose block tau (mean over those seeds) is
 within `--close` of full's at the same format, full itself and the best projected config of each
@@ -97,7 +103,8 @@ def ensure_result(work: Path, cache: dict, fmt: str, rank, seed: int, args) -> d
     """Train and eval (fmt, rank, seed) unless its result exists."""
     from pipeline.records.eval_result import variants_in
 
-    out = work / f"result-{fmt}-{rank}-s{seed}.json"
+    name = f"{fmt}-{rank}" if rank == FULL else f"{fmt}-{rank}-{args.projected_fc}"
+    out = work / f"result-{name}-s{seed}.json"
     settings = {"steps": args.steps, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                 "tree_budget": args.tree_budget, "pilot_tokens": args.pilot_tokens, "rows": args.rows, "shards": args.shards}
     if out.is_file():
@@ -105,20 +112,20 @@ def ensure_result(work: Path, cache: dict, fmt: str, rank, seed: int, args) -> d
         if done.get("settings") != settings:
             raise SystemExit(f"{out} was measured with {done.get('settings')}, not {settings}: use another --work")
         return done
-    run = work / f"run-{fmt}-{rank}-s{seed}"
+    run = work / f"run-{name}-s{seed}"
     start = time.perf_counter()
     _cli("train", "--cache", cache["cache"], "--out", str(run), "--max-steps", str(args.steps), "--log-every", "10",
-         "--seed", str(seed))
+         "--seed", str(seed), *([] if rank == FULL else ["--projected-fc", args.projected_fc]))
     train_s = time.perf_counter() - start
     start = time.perf_counter()
     ev = json.loads(_cli("eval", "--drafter", str(run), "--limit", str(args.prompts), "--max-new-tokens",
                          str(args.max_new_tokens), "--tree-budget", ",".join(map(str, args.tree_budget)),
                          "--batch-size", str(args.batch_size), "--json").stdout)
     eval_s = time.perf_counter() - start
-    (work / f"eval-{fmt}-{rank}-s{seed}.json").write_text(json.dumps(ev, indent=2) + "\n")
+    (work / f"eval-{name}-s{seed}.json").write_text(json.dumps(ev, indent=2) + "\n")
     last = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])
     taus = {v.name: round(float(figures["tau_pooled"]), 4) for v, figures in variants_in(ev, strict=True)}
-    result = {"format": fmt, "rank": rank, "seed": seed, "settings": settings, "energy": cache["energy"], "tau": taus,
+    result = {"format": fmt, "rank": rank, "projected_fc": None if rank == FULL else args.projected_fc, "seed": seed, "settings": settings, "energy": cache["energy"], "tau": taus,
               "lossless": ev["lossless"], "prompts": ev["prompts"], "loss_last_log": last.get("loss"),
               "accuracy_last_log": last.get("accuracy"), "train_s": round(train_s, 1), "eval_s": round(eval_s, 1)}
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -210,6 +217,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="eval --max-new-tokens (default 64).")
     p.add_argument("--tree-budget", default="16,64", help="eval --tree-budget (default 16,64).")
     p.add_argument("--batch-size", type=int, default=16, help="eval --batch-size (default 16).")
+    p.add_argument("--projected-fc", default="energy", choices=["energy", "unit"],
+                   help="train --projected-fc for the projected ranks (default energy).")
     args = p.parse_args()
     if set(args.formats.split(",")) - {"bf16", "fp8"} or not args.formats:
         p.error(f"--formats takes bf16 and fp8, got {args.formats!r}")
@@ -237,7 +246,7 @@ def main() -> None:
             if seed not in args.seeds:
                 results[fmt, rank].append(ensure_result(work, caches[fmt, rank], fmt, rank, seed, args))
     table = summarise(results, caches, args)
-    doc = {"benchmark": "projected_tau", "rows": args.rows, "shards": args.shards, "pilot_tokens": args.pilot_tokens,
+    doc = {"benchmark": "projected_tau", "projected_fc": args.projected_fc, "rows": args.rows, "shards": args.shards, "pilot_tokens": args.pilot_tokens,
            "steps": args.steps, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
            "tree_budget": args.tree_budget, "seeds": args.seeds, "extra_seeds": args.extra_seeds, "close": args.close,
            "extra_seed_configs": [list(c) for c in extra],

@@ -53,7 +53,7 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
     if c.tap_projection is not None and basis is not None:
         state["fc.weight"] = _folded_fc(drafter, basis).to(dtype or drafter.fc.weight.dtype).contiguous()
-        c = dataclasses.replace(c, tap_projection=None)
+        c = dataclasses.replace(c, tap_projection=None, tap_projection_energy=False)
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
     vocab = drafter.draft_vocab
     if vocab is not None:
@@ -85,6 +85,7 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
         config["draft_vocab_size"] = c.draft_vocab_size
     if c.tap_projection is not None:
         config["tap_projection"] = c.tap_projection
+        config["tap_projection_energy"] = c.tap_projection_energy
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -102,7 +103,12 @@ def _folded_fc(drafter: DFlashDrafter, basis) -> torch.Tensor:
     if (basis.rank, basis.width) != (c.tap_projection, width):
         raise PipelineError(f"the basis projects {basis.width} values to {basis.rank}, the drafter's fc reads "
                             f"{c.tap_projection} projected from {width}")
-    return basis.fold(drafter.fc.weight.detach().to("cpu", torch.float32))
+    weight = drafter.fc.weight.detach().to("cpu", torch.float32)
+    if c.tap_projection_energy:  # fc' computed W' (s * z): the same map as W' diag(s) on the stored z
+        if drafter.tap_scales is not None and not torch.equal(drafter.tap_scales.cpu(), basis.scales.to(torch.float32)):
+            raise PipelineError("the basis given to the export is not the one the drafter was trained with")
+        weight = weight * basis.scales.to(torch.float32)
+    return basis.fold(weight)
 
 
 def _dflash_config(c: DrafterConfig) -> dict:
@@ -128,7 +134,8 @@ def read_config(path: Path) -> DrafterConfig:
                              max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                              layer_types=raw.get("layer_types"),
                              sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
-                             draft_vocab_size=_draft_vocab_size(raw), tap_projection=raw.get("tap_projection"))
+                             draft_vocab_size=_draft_vocab_size(raw), tap_projection=raw.get("tap_projection"),
+                             tap_projection_energy=bool(raw.get("tap_projection_energy", False)))
     except FileNotFoundError:
         raise PipelineError(f"{path}: no config.json") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:

@@ -65,6 +65,7 @@ def context_of(drafter, reader: CacheReader):
     if c.tap_projection != basis.rank:
         raise PipelineError(f"{reader.dir}: stores {basis.rank} projected values a token, this drafter's fc reads "
                             f"{c.tap_projection}")
+    drafter.use_basis(basis)
     return lambda hidden: hidden
 
 

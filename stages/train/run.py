@@ -138,7 +138,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     # A projected cache: fc reads its R values a token; the export folds the basis back (pipeline/projection).
     basis = cache_basis(reader)
     if basis is not None:
-        config = dataclasses.replace(config, tap_projection=basis.rank)
+        config = dataclasses.replace(config, tap_projection=basis.rank, tap_projection_energy=cfg.projected_fc == "energy")
     check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg, device) or torch.float32
     # Counted on rank 0 alone and sent to the others; on resume, the checkpoint's (run_vocab.py)
@@ -147,6 +147,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
                                           warn=warn)
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
     drafter, path = new_drafter(cfg, config, embed, head, device, vocab)
+    if basis is not None:
+        drafter.use_basis(basis)
     del head  # with a draft vocabulary the drafter keeps only its K rows
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, world)

@@ -119,7 +119,9 @@ def test_train_on_the_projected_cache_exports_an_ordinary_folded_drafter(project
     trained = load_file(str(checkpoints[-1] / "drafter" / "model.safetensors"))
     assert tuple(trained["fc.weight"].shape) == (128, R)
     p, s = stored_basis(projected["cache"])
-    folded = (trained["fc.weight"].double().numpy() / s) @ p
+    # the default fc' reads each component at its pilot RMS (z * s = P x): the export's fc is W' P
+    assert json.loads((checkpoints[-1] / "drafter" / "config.json").read_text())["tap_projection_energy"] is True
+    folded = trained["fc.weight"].double().numpy() @ p
     np.testing.assert_allclose(weights["fc.weight"].double().numpy(), folded, rtol=1e-5, atol=1e-6)
     # eval's teacher-forced walk on the projected cache: the folded drafter reads the reconstruction
     done = cli_here("eval", "--drafter", str(out), "--cache", str(projected["cache"]), "--max-new-tokens", "4",
