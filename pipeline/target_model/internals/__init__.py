@@ -81,7 +81,11 @@ def bound_kernels(modeling_module, device_type: str | None = None) -> dict:
         fn = getattr(modeling_module, attr, None)
         if fn is None:
             continue
-        wrapper = versions.op_function(getattr(fn, "_counted_original", fn))
+        try:
+            wrapper = versions.op_function(getattr(fn, "_counted_original", fn))
+        except RuntimeError as e:  # a form not known: reported, never guessed
+            out[op] = {"kind": "unknown", "implementation": f"undetermined ({e})"}
+            continue
         impl = versions.closure_value(wrapper, "implementation")
         if impl is None:
             out[op] = {"kind": "unknown", "implementation": f"undetermined ({attr} has no 'implementation' closure)"}
@@ -91,6 +95,15 @@ def bound_kernels(modeling_module, device_type: str | None = None) -> dict:
             kind, name = "torch", f"{name} bound, torch on {device_type}"
         out[op] = {"kind": kind, "implementation": name}
     return out
+
+
+def _named_after(op):
+    """What a counting wrapper takes its name from: the binding wrapper, or the op itself where its
+    form is not known (counting still works; `bound_kernels` reports such an op as unknown)."""
+    try:
+        return versions.op_function(op)
+    except RuntimeError:
+        return op
 
 
 class KernelCallCounter:
@@ -108,7 +121,7 @@ class KernelCallCounter:
                 continue
             self._saved[attr] = original
 
-            @functools.wraps(versions.op_function(original))
+            @functools.wraps(_named_after(original))
             def counted(*args, __op=op, __fn=original, **kwargs):
                 self.counts[__op] += 1
                 return __fn(*args, **kwargs)
@@ -150,18 +163,24 @@ def is_linear_attention(layer) -> bool:
 def keep_prefix(state, length: int, keep: int, per_position: list[list[torch.Tensor]]) -> None:
     """Cut a recorded pass of `length` tokens back to its first `keep`: keys/values and conv
     inputs cropped, each linear-attention layer's recurrent state set to the one after the last
-    kept token (`per_position`: per linear-attention layer, the state after each token)."""
+    kept token (`per_position`: per gated delta rule call, the state after each token; the calls
+    of a pass come layer by layer, and within a layer of several states, state by state)."""
     linear = [layer for layer in state.layers if is_linear_attention(layer)]
     if keep < length:  # all kept: the pass's recurrent states are already the ones
-        if len(linear) != len(per_position):
+        counts = [versions.states_of(layer) for layer in linear]
+        if sum(counts) != len(per_position):
             raise RuntimeError(f"recorded {len(per_position)} gated delta rule calls for {len(linear)} "
-                               "linear-attention layers (transformers' qwen3_5 forward changed?)")
-        for layer, states in zip(linear, per_position):
-            versions.history_for_crop(layer, length - keep, states[keep - 1])
+                               f"linear-attention layers of {sum(counts)} recurrent states (transformers' qwen3_5 "
+                               "forward changed?)")
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        kept = [[calls[keep - 1] for calls in per_position[a:a + n]] for a, n in zip(starts, counts)]
+        for layer, states in zip(linear, kept):
+            versions.history_for_crop(layer, length - keep, states)
     state.crop(-(length - keep))
     if keep < length:
-        for layer, states in zip(linear, per_position):
-            layer.recurrent_states[0] = states[keep - 1]
+        for layer, states in zip(linear, kept):
+            for i, s in enumerate(states):
+                layer.recurrent_states[i] = s
     for layer in linear:
         layer.record_past = False
 

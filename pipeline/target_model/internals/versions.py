@@ -120,11 +120,19 @@ def start_recording(state) -> None:
         state.activate_past_recording()
 
 
-def history_for_crop(layer, removed: int, kept: torch.Tensor) -> None:
+def states_of(layer) -> int:
+    """How many recurrent states a linear-attention cache layer keeps (5.25 counts them; one before)."""
+    return getattr(layer, "number_of_states", 1)
+
+
+def history_for_crop(layer, removed: int, kept: list[torch.Tensor]) -> None:
     """Before `crop(-removed)` of a recording linear-attention layer: where the layer restores its
-    recurrent state from its own history (5.25), make that entry the state after the kept tokens."""
+    recurrent states from its own history (5.25), make each state's entry the state after the kept
+    tokens (`kept[i]`: state i's)."""
+    if len(kept) != states_of(layer):
+        raise RuntimeError(f"{len(kept)} kept recurrent states for a layer of {states_of(layer)}")
     if removed > 0 and hasattr(layer, "recurrent_states_history"):
-        layer.recurrent_states_history = {i: [kept] + [None] * (removed - 1) for i in range(layer.number_of_states)}
+        layer.recurrent_states_history = {i: [kept[i]] + [None] * (removed - 1) for i in range(states_of(layer))}
 
 
 # ------------------------------------------------ the linear-attention ops as modules (5.25 with `kernels`)
@@ -133,9 +141,16 @@ def history_for_crop(layer, removed: int, kept: torch.Tensor) -> None:
 # its closure). Without `kernels` it is the wrapper itself, as before 5.25.
 
 def op_function(op):
-    """The binding wrapper behind a modeling module's op, whichever form the version gives it."""
+    """The binding wrapper behind a modeling module's op, whichever form the version gives it. A
+    module without `func` in its forward's closure is a form this project does not know: an error,
+    never the module itself (the kernel checks would then swap the bound kernel for itself)."""
     if isinstance(op, torch.nn.Module):
-        return closure_value(type(op).forward, "func") or op
+        func = closure_value(type(op).forward, "func")
+        if func is None:
+            raise RuntimeError(f"{type(op).__module__}.{type(op).__qualname__}: a linear-attention op as a module whose "
+                               "forward has no `func` in its closure; transformers or `kernels` changed how they wrap "
+                               "the ops (pipeline/target_model/internals/versions.py)")
+        return func
     return op
 
 
