@@ -120,6 +120,14 @@ class Trackers:
     def close(self) -> None:
         self._each("closing", lambda b: b.close())
 
+    def abandon(self) -> None:
+        """Stop reporting without the closing writes: the run lost its directory to another run
+        (pipeline/training/run_claim.py), where TensorBoard's and MLflow's own stores are. What was
+        flushed before stays; the run is left as running in the trackers, and the run that took
+        the directory over continues it."""
+        self._each("abandoning", lambda b: b.abandon())
+        self.backends = []
+
 
 def tracker_class(name: str):
     from pipeline.tracking import backends

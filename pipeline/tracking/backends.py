@@ -50,6 +50,9 @@ class _Backend:
     def artifact(self, path: Path) -> None:  # trackers without artifacts keep nothing
         pass
 
+    def abandon(self) -> None:  # stop without the closing writes (Trackers.abandon): nothing to skip
+        pass
+
 
 class TensorBoard(_Backend):
     """Event files under RUN/tensorboard. On resume, events past the resumed step are purged
@@ -84,6 +87,11 @@ class TensorBoard(_Backend):
 
     def close(self) -> None:
         self.writer.close()
+
+    def abandon(self) -> None:
+        # Not closed: closing flushes. What the writer queued after the last (guarded) flush is
+        # dropped with the process; its thread is a daemon.
+        self.writer = None
 
 
 class MLflow(_Backend):
@@ -178,6 +186,11 @@ class MLflow(_Backend):
         self._settle()
         self.client.set_terminated(self.run_id)
 
+    def abandon(self) -> None:
+        # The buffered metrics are dropped, and the run is not marked terminated (a write to
+        # RUN/mlflow.db); a batch already handed to MLflow's async logger is its to finish.
+        self.buffer = []
+
 
 def _wandb_key_configured() -> bool:
     if os.environ.get("WANDB_API_KEY"):
@@ -230,6 +243,11 @@ class WandB(_Backend):
 
     def close(self) -> None:
         self.run.finish()
+
+    def abandon(self) -> None:
+        # Not finished here. W&B's own exit hook still finishes the run through its helper process
+        # (in offline mode a write under RUN/wandb): not in this process's hands, and left alone.
+        pass
 
 
 class Trackio(_Backend):

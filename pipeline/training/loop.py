@@ -67,6 +67,8 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
                     view.update(at.step, result.last.to_json() if logging else None)
                 if at.step % cfg.checkpoint_every == 0 or at.step == plan.total_steps:
                     at.tokens0 += trainer.take_tokens()
+                    if log_file:  # rank 0: the trackers write into the run directory too
+                        guard(f"flushing the trackers before checkpoint step {at.step}")
                     trackers.flush()  # a resume from this checkpoint finds every line before it in the trackers
                     save_on_all_ranks(out, cfg, trainer.drafter, trainer.optimizer, step=at.step, epoch=at.epoch,
                                       position=at.position, identity=identity,

@@ -137,6 +137,11 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
+class ClaimLost(PipelineError):
+    """This run's directory was taken over (`RunClaim.check`): the run stops writing there at once,
+    its trackers' closing writes included (`Trackers.abandon`)."""
+
+
 class RunClaim:
     """This process's claim on a run directory; `release()` gives it back (idempotent)."""
 
@@ -166,7 +171,7 @@ class RunClaim:
             now = f"its {self.path.name} is gone"
         else:
             now = f"its {self.path.name} is unreadable ({found})"
-        raise PipelineError(
+        raise ClaimLost(
             f"{self.out}: this run no longer owns the directory: {now}; stopping before {before}. The claim "
             f"is taken over after {_minutes(STALE_AFTER_S)} without a heartbeat: was this process paused "
             "(SIGSTOP, a suspended job) or its mount hung?")

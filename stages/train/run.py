@@ -53,7 +53,7 @@ from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
 from pipeline.training.objectives import describe_slot_weights
 from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
-from pipeline.training.run_claim import claim_for_job
+from pipeline.training.run_claim import ClaimLost, claim_for_job
 from pipeline.training.run_vocab import run_draft_vocab
 from pipeline.training.step import StepRunner, autocast_dtype
 from pipeline.training.train_config import resolve_config  # noqa: F401 (train's entry point, for demo and the tests)
@@ -193,6 +193,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     t_start = time.perf_counter()
     if view:
         view.start(total=plan.total_steps, done=at.step)
+    lost = False
     try:
         result = train_loop(cfg, plan, reader, trainer, at, out=out, identity=identity, trackers=trackers,
                             verdicts=verdicts, log_file=log_file, view=view, warn=warn, guard=guard)
@@ -201,10 +202,13 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
             drafter.eval()
             export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg, device), basis=basis)
             trackers.artifact(RunDir(out).drafter)
+    except ClaimLost:
+        lost = True  # the directory is another run's now: the trackers' closing writes would land in it
+        raise
     finally:
         if log_file:
             log_file.close()
-        trackers.close()
+        trackers.abandon() if lost else trackers.close()
         if view:
             view.stop()
     last = result.last or next(reversed(read_train_log(RunDir(out).train_log)), None)

@@ -236,10 +236,13 @@ def test_a_holder_paused_past_the_stale_limit_stops_before_writing_into_a_direct
     """Issue 69.1. On a cluster mount without flock, a training paused (SIGSTOP) mid-checkpoint
     for longer than the stale limit is taken over by a run on another machine (another boot id);
     when it wakes it writes nothing more into the directory and stops in one line naming the new
-    owner, whose claim it leaves in place."""
+    owner, whose claim it leaves in place. Its trackers' files are in the directory too (issue 77.8):
+    TensorBoard's event file and MLflow's store are left as they were, not flushed or closed into it."""
     run = tmp_path / "run"
-    first = machines.start([sys.executable, "-m", "cli", "train", "--cache", str(cache), "--out", str(run), *RUN],
-                           machines.Machine(flock=False), tmp_path, no_flock, env={"PIPELINE_FAILPOINT": "checkpoint.written@1:stop"},
+    first = machines.start([sys.executable, "-m", "cli", "train", "--cache", str(cache), "--out", str(run), *RUN,
+                            "--report-to", "tensorboard,mlflow"],
+                           machines.Machine(flock=False), tmp_path, no_flock,
+                           env={"PIPELINE_FAILPOINT": "checkpoint.written@1:stop", "HOME": str(tmp_path / "home")},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     second = None
     try:
@@ -266,6 +269,7 @@ def test_a_holder_paused_past_the_stale_limit_stops_before_writing_into_a_direct
         assert "Traceback" not in err and out == ""
         temporary = [k for k in before if ".tmp-" in k]
         assert temporary, before  # frozen between writing the checkpoint and making it visible
+        assert "mlflow.db" in before and any(k.startswith("tensorboard/") for k in before), before
         assert files(run) == {k: v for k, v in before.items() if ".tmp-" not in k}  # only its own temporary removed
         assert not (run / "checkpoints" / "step-00000006").exists() and not (run / "drafter").exists()
         assert record(run) == new_owner  # the old holder's release left the new owner's claim alone
