@@ -85,6 +85,23 @@ def torchrun(nproc: int, *args: str, timeout: int = 600, preexec_fn=None, env: d
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
 
 
+def two_nodes(*args: str, env: dict | None = None, max_restarts: int = 0, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Run `pipeline ARGS` under two torchrun launchers (one process each) that meet at one
+    rendezvous endpoint, as two nodes would."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "dflash-test",
+         "--max-restarts", str(max_restarts), "-m", "cli", *args],
+        cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = []
+    for launcher in launchers:
+        out, err = launcher.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, out, err))
+    return results
+
+
 def file_size_limit(nbytes: int):
     """A preexec_fn: writes past `nbytes` fail with EFBIG (SIGXFSZ ignored, so they do not kill)."""
     def limit():

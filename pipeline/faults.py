@@ -6,7 +6,9 @@ with no handler, `finally` or flush running. `writer.fsynced@1:stop` sends SIGST
 process freezes there until a test, having changed the world around it, sends SIGCONT);
 `checkpoint.renamed@1:once` kills only if the file named by PIPELINE_FAILPOINT_MARKER does not
 exist yet, creating it first (a worker that torchrun restarts with the same environment then
-runs through). Several are separated by commas. Outside tests the
+runs through). `pilot.forward@1:raise` raises a RuntimeError there instead, as an error the
+code does not expect would (CUDA out of memory, say): the handlers and `finally`s run. Several
+are separated by commas. Outside tests the
 variable is unset and a failpoint costs one lookup. `HITS` counts every point reached, so a test
 can first run uninterrupted and then aim at any hit of any phase.
 """
@@ -48,6 +50,8 @@ def failpoint(name: str) -> None:
                     os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 except FileExistsError:
                     return
+            if action == "raise":
+                raise RuntimeError(f"failpoint {name}: a planted failure")
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
 
 

@@ -8,7 +8,12 @@ that holds one already (a resume, a second launcher) never refits. Every rank th
 stored basis, so a cache's shards are all in one basis (DESIGN 5).
 
 Under torchrun rank 0 decides whether to fit; then the ranks of its tensor-parallel group run
-the pilot's forwards with it (they are collectives), and the other ranks wait for its result.
+the pilot's forwards with it (they are collectives), and the other ranks wait for its result. A
+failure there (out of memory, a bad row) is that result: rank 0 sends it to every rank, which
+stops at once with one line naming it, instead of waiting in the broadcast until the process
+group's timeout. A tensor-parallel peer's own failure reaches rank 0 the same way, when it fails
+outside a collective; one stuck in a collective because its peer failed is ended by torchrun
+(the group's ranks share a node and its agent).
 """
 
 from __future__ import annotations
@@ -59,12 +64,27 @@ def forward_pilot_moment(model, taps: list[int], width: int, samples, batch_toke
         tokens = [ids for _, ids, _ in batch]
         with tapped_layers(model, taps) as captured:
             model.model(input_ids=right_padded(tokens, 0).to(device), use_cache=False)
+        failpoint("pilot.forward")
         if accumulate:
             stacked = captured.stacked()
             moment.add(torch.cat([stacked[row, :len(ids)] for row, ids in enumerate(tokens)]).reshape(-1, width).float())
         if progress is not None:
             progress(sum(len(ids) for ids in tokens))
     return moment
+
+
+def _group_failures(layout, failed: BaseException | None) -> list[str]:
+    """On rank 0: how the pilot's forwards failed on the other ranks of its tensor-parallel group
+    ("rank R (Type: first line)"); [] elsewhere, and where none failed."""
+    if layout.tp == 1 or layout.dp_rank != 0:
+        return []
+    import torch.distributed as dist
+
+    mine = None if failed is None else (f"rank {layout.rank} ({type(failed).__name__}: "
+                                        f"{next(iter(str(failed).splitlines()), '')})")
+    said = [None] * layout.tp
+    dist.all_gather_object(said, mine, group=layout.tp_group)
+    return [s for s in said[1:] if s]
 
 
 def projection_basis(cfg, *, location, layout, model, taps, inputs,
@@ -77,20 +97,26 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs,
                               what="looking for the cache's basis")
     fitted, forwards, fit_seconds = None, 0.0, 0.0
     if not stored:
+        moment, failed = None, None
         if layout.dp_rank == 0:
-            samples = pilot_samples(cfg, inputs.paths, inputs.masker, inputs.facts, inputs.dataset["index"],
-                                    inputs.dataset["num_rows"])
-            moment = forward_pilot_moment(model, taps, len(taps) * inputs.facts.hidden_size, samples,
-                                          cfg.batch_tokens, accumulate=layout.rank == 0, progress=progress)
-        else:
-            moment = None
-
+            try:
+                samples = pilot_samples(cfg, inputs.paths, inputs.masker, inputs.facts, inputs.dataset["index"],
+                                        inputs.dataset["num_rows"])
+                moment = forward_pilot_moment(model, taps, len(taps) * inputs.facts.hidden_size, samples,
+                                              cfg.batch_tokens, accumulate=layout.rank == 0, progress=progress)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only this one
+                failed = e
+        peers = _group_failures(layout, failed)
         forwards = time.perf_counter() - start
 
         def fit() -> str:
+            if failed is not None:  # rank 0's own: raised as it is (its traceback), the others told in one line
+                raise failed
+            if peers:
+                raise PipelineError(f"the pilot's forwards failed on {'; '.join(peers)}")
             basis = fit_basis(moment, cfg.project_taps)
             return store_basis(location, basis, pilot_description(moment.tokens)).digest()
-        fitted = decided_on_rank0(fit, rank=layout.rank, world=world, what="fitting the tap basis")
+        fitted = decided_on_rank0(fit, rank=layout.rank, world=world, what="running the pilot and fitting the tap basis")
         fit_seconds = time.perf_counter() - start - forwards
     basis = read_basis(location)
     failpoint("pilot.basis")  # stored, and no manifest yet: a kill here must leave a cache that resumes

@@ -8,38 +8,18 @@ uninterrupted run's bytes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from harness.caches import manifest_json
 from harness.marks import needs_s3
-from harness.runs import REPO, small_cache, torchrun, write_rows
+from harness.runs import small_cache, torchrun, two_nodes, write_rows
 from harness.s3_server import MotoServer, download
-from harness.ports import free_port
 from pipeline.distributed import SHARED_STORE_OPT_OUT, elastic_restart_hazard
 
 SHARDS = 4
 TRAIN = ["--max-steps", "8", "--log-every", "1", "--checkpoint-every", "4", "--micro-batch-sequences", "2", "--json"]
-
-
-def two_nodes(*args: str, env: dict | None = None, max_restarts: int = 0, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """Run `pipeline ARGS` under two torchrun launchers (one process each) that meet at one
-    rendezvous endpoint, as two nodes would."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "dflash-test",
-         "--max-restarts", str(max_restarts), "-m", "cli", *args],
-        cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    results = []
-    for launcher in launchers:
-        out, err = launcher.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, out, err))
-    return results
 
 
 def failures(results: list[subprocess.CompletedProcess]) -> str:

@@ -151,3 +151,25 @@ def test_a_launcher_started_after_the_basis_exists_uses_it(tmp_path, data):
     _, err = a.communicate(timeout=600)
     assert a.returncode == 0, err[-3000:]
     assert basis_digest_everywhere(cache) == stored_basis_digest(cache)
+
+
+def test_a_pilot_failing_on_rank_0_ends_every_rank_within_seconds(tmp_path, data):
+    """Issue 77.5. Two nodes (two torchrun launchers, one process each, gloo): rank 0 runs the
+    pilot's forwards alone and fails there (an error it does not expect, as CUDA's out of memory).
+    Rank 1, waiting for the basis, must not wait out NCCL's watchdog (10 minutes), nor end on gloo's
+    broken connection with a page of C++ frames (what it did before): it stops within seconds, with
+    one line naming rank 0's failure.
+    Nothing of a cache is left looking complete."""
+    from harness.runs import two_nodes
+
+    cache = tmp_path / "cache"
+    start = time.perf_counter()
+    results = two_nodes(*extract_args(cache, data), env={"PIPELINE_FAILPOINT": "pilot.forward@1:raise"}, timeout=240)
+    seconds = time.perf_counter() - start
+    print(f"both launchers ended {seconds:.1f} s after they started")
+    assert [r.returncode for r in results] == [1, 1], [r.stderr[-2000:] for r in results]
+    assert "failpoint pilot.forward: a planted failure" in results[0].stderr  # rank 0: its own traceback
+    said = [x for x in results[1].stderr.splitlines() if x.startswith("error:")]
+    assert said == ["error: rank 0 failed while running the pilot and fitting the tap basis (RuntimeError: failpoint "
+                    "pilot.forward: a planted failure)"], results[1].stderr[-3000:]
+    assert not (cache / "manifest.json").exists() and not (cache / "basis.safetensors").exists()
