@@ -29,60 +29,104 @@ _SPANNED = 1e-12
 
 
 class SecondMoment:
-    """sum(x x^T) over a pilot's tokens, in float64, and the token count.
+    """sum(x x^T) over a pilot's tokens, in float64, and the token count; the spectrum's top R.
+
+    Held on the host, never on the target's device: at the flagship width (n*H = 25,600) the
+    moment is 5.2 GB and a full eigendecomposition beside it another 15 GB (the eigenvectors and
+    LAPACK's workspace), 20 GB next to a 54 GB target on an 80 GB GPU. The products that build it
+    (the heavy part: tokens x D^2) run on `device` one block of columns at a time (about 1.3 GB at
+    that width); the eigendecomposition runs on the host and computes only the top R eigenpairs
+    (LAPACK's MRRR driver through scipy: the moment, overwritten in place, plus R x D for the
+    vectors). Measured in BENCHMARKS ("The fit's memory").
 
     While the pilot has fewer tokens than dimensions, its rows are kept instead (float32) and the
     spectrum comes from their Gram matrix X X^T (tokens x tokens): the same nonzero eigenvalues,
-    the eigenvectors X^T u / sqrt(lambda), at a fraction of the cost. At the flagship width
-    (25,600 values a token) a 6,000-token pilot is then one 6,000 x 6,000 eigendecomposition
-    instead of a 25,600 x 25,600 one (a 64x smaller cube)."""
+    the eigenvectors X^T u / sqrt(lambda), at a fraction of the cost."""
+
+    FLUSH_TOKENS = 4096   # rows sent to the device at once: [4096, 25,600] float64 is 840 MB
+    BLOCK = 2048          # moment columns computed at once: [25,600, 2048] float64 is 420 MB
 
     def __init__(self, dim: int, device: torch.device | str = "cpu"):
         self.dim, self.device = dim, torch.device(device)
-        self.rows: list[torch.Tensor] | None = []
-        self.sum: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []    # host float32, not yet in `sum`
+        self.sum: torch.Tensor | None = None  # host float64 [D, D], once the pilot is wider than D
         self.tokens = 0
+        self.consumed = False
 
     def add(self, x_ND: torch.Tensor) -> None:
         if x_ND.ndim != 2 or x_ND.shape[1] != self.dim:
             raise ValueError(f"expected tokens x {self.dim}, got {tuple(x_ND.shape)}")
+        if self.consumed:
+            raise RuntimeError("this moment's spectrum was taken (its matrix overwritten): start another")
         self.tokens += x_ND.shape[0]
-        if self.rows is not None:
-            self.rows.append(x_ND.detach().to(torch.float32).cpu())
-            if self.tokens <= self.dim:
-                return
-            x_ND, self.rows = torch.cat(self.rows), None  # past the width: the moment is smaller now
-            self.sum = torch.zeros(self.dim, self.dim, dtype=torch.float64, device=self.device)
-        x = x_ND.to(self.device, torch.float64)
-        self.sum += x.T @ x
+        self.rows.append(x_ND.detach().to("cpu", torch.float32))
+        if self.sum is None and self.tokens <= self.dim:
+            return
+        if self.sum is None:  # past the width: the moment is smaller than the rows now
+            self.sum = torch.zeros(self.dim, self.dim, dtype=torch.float64)
+        if sum(len(r) for r in self.rows) >= self.FLUSH_TOKENS:
+            self._flush()
 
-    def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(eigenvalues descending [K], eigenvectors as rows [K, D]) with K = min(tokens, D), each
-        row's sign fixed (its largest entry positive) so a refit on the same pilot gives the same
-        bytes. Rows of zero eigenvalues (directions the pilot does not span) are zero."""
+    def _flush(self) -> None:
+        rows, self.rows = torch.cat(self.rows) if self.rows else None, []
+        if rows is None:
+            return
+        for a in range(0, len(rows), self.FLUSH_TOKENS):
+            x = rows[a:a + self.FLUSH_TOKENS].to(self.device, torch.float64)
+            for c in range(0, self.dim, self.BLOCK):
+                self.sum[:, c:c + self.BLOCK] += (x.T @ x[:, c:c + self.BLOCK]).cpu()
+
+    def spectrum(self, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(the top eigenvalues descending [K], their eigenvectors as rows [K, D], the total energy
+        sum(x^2) = the trace), K = min(top or all, tokens, D); each row's sign fixed (its largest
+        entry positive) so a refit on the same pilot gives the same bytes. Rows of zero eigenvalues
+        (directions the pilot does not span) are zero. Once: the moment is overwritten."""
         if self.tokens == 0:
             raise PipelineError("the pilot holds no token: nothing to fit a basis on")
-        if self.rows is not None:
-            x = torch.cat(self.rows).to(self.device, torch.float64)
-            values, u = torch.linalg.eigh(x @ x.T)
-            values, u = values.flip(0).clamp_min(0), u.flip(1)
+        if self.consumed:
+            raise RuntimeError("this moment's spectrum was taken already")
+        self.consumed = True
+        if self.sum is None:
+            x = torch.cat(self.rows).to(torch.float64)
+            self.rows = []
+            gram = x @ x.T
+            total = float(gram.trace())
+            values, u = _top_eigenpairs(gram, min(top or len(x), len(x)))
             spanned = values > values[0] * _SPANNED
             rows = (u.T @ x) / torch.where(spanned, values, torch.ones_like(values)).sqrt()[:, None]
             rows = rows * spanned[:, None]
         else:
-            values, vectors = torch.linalg.eigh(self.sum)
-            values, rows = values.flip(0).clamp_min(0), vectors.T.flip(0)
+            self._flush()
+            total = float(self.sum.trace())
+            values, vectors = _top_eigenpairs(self.sum, min(top or self.dim, self.dim))
+            self.sum = None
+            rows = vectors.T
         signs = torch.sign(rows.gather(1, rows.abs().argmax(1, keepdim=True)))
         signs[signs == 0] = 1
-        return values.cpu(), (rows * signs).cpu()
+        return values, rows.mul_(signs), total
 
     def energy_kept(self, ranks: list[int], flag: str = "--energy") -> dict[int, float]:
         """The fraction of the pilot's energy (sum of squares) the top R components keep, per R."""
         for r in ranks:
             check_rank(r, self.dim, flag)
-        values, _ = self.spectrum()
-        cumulative = values.cumsum(0) / values.sum()
+        values, _, total = self.spectrum(top=max(ranks))
+        cumulative = values.cumsum(0) / total
         return {r: float(cumulative[min(r, len(values)) - 1]) for r in ranks}
+
+
+def _top_eigenpairs(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest eigenvalues of a symmetric float64 matrix (descending, clamped at 0) and their
+    eigenvectors as columns, on the host, through LAPACK's dsyevr for that index range alone
+    (scipy): the matrix is overwritten in place and only n x k vectors are allocated."""
+    from scipy.linalg import eigh
+
+    n = matrix.shape[0]
+    # The transpose: Fortran-ordered, as LAPACK wants it (a C-ordered array would be copied first),
+    # and the same matrix, since it is symmetric. It shares the tensor's memory: overwritten.
+    a = matrix.numpy().T
+    values, vectors = eigh(a, subset_by_index=[n - k, n - 1], driver="evr", overwrite_a=True, check_finite=False)
+    return (torch.from_numpy(values[::-1].copy()).clamp_min(0),
+            torch.from_numpy(vectors[:, ::-1].copy()))
 
 
 def check_rank(rank: int, dim: int, flag: str = "--project-taps") -> None:
@@ -143,11 +187,11 @@ class TapBasis:
 
 def fit_basis(moment: SecondMoment, rank: int) -> TapBasis:
     check_rank(rank, moment.dim)
-    values, rows = moment.spectrum()
+    values, rows, total = moment.spectrum(top=rank)
     spanned = int((values > values[0] * _SPANNED).sum())
     if rank > spanned:
         raise PipelineError(f"--project-taps {rank}: the pilot ({moment.tokens} tokens) spans only {spanned} "
                             f"directions; take a larger pilot or a smaller R")
     return TapBasis(components=rows[:rank].to(torch.float32).contiguous(),
                     scales=(values[:rank] / moment.tokens).sqrt().to(torch.float32),
-                    energy=float(values[:rank].sum() / values.sum()), pilot_tokens=moment.tokens)
+                    energy=float(values[:rank].sum() / total), pilot_tokens=moment.tokens)
