@@ -4,6 +4,7 @@ stored tap say why they are skipped, and planted faults are named: rows a positi
 the taps one layer early or late, NaN in a row, a missing or replaced basis.safetensors."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -67,9 +68,12 @@ def test_a_sound_projected_cache_passes_with_the_tap_checks_skipped(projected, f
     assert "basis.safetensors" in checks["basis"]["summary"]
     assert checks["finite"]["evidence"]["nan_projected"] == 0
     recompute = checks["recompute"]["evidence"]
-    # --recompute 2 over 3 shards: one sample of every shard plus the longest, so 4; each best
-    # matches the projection of hidden_states[tap+1] in place, of the 3 x 3 offsets and shifts.
-    assert recompute["best_layer_offset"] == {"0": 4} and recompute["best_position_shift"] == {"0": 4}
+    # --recompute 2 over 3 shards: one sample of every shard plus the longest, so 4; each tap best
+    # matches hidden_states[tap+1] and the rows fit in place, of the layers and shifts tried.
+    taps = json.loads((projected[fmt] / "manifest.json").read_text())["config"]["capture"]["target_layer_ids"]
+    assert recompute["best_hidden_state_index"] == {str(t): {str(t + 1): 4} for t in taps}
+    assert recompute["best_position_shift"] == {"0": 4}
+    assert recompute["noise_rms"] <= {"bf16": 0.05, "fp8": 0.1}[fmt]
     assert recompute["rank"] == R and recompute["basis"] == checks["basis"]["evidence"]["digest"]
     assert recompute["argmax_agreement"] > 0.99
 
@@ -102,24 +106,61 @@ def test_rows_a_position_late_are_named_with_the_shift(damaged):
     assert check["evidence"]["best_position_shift"]["1"] >= 1
 
 
-@pytest.mark.parametrize("offset", [-1, 1], ids=["early", "late"])
-def test_rows_of_the_taps_one_layer_off_are_named(damaged, target, offset):
-    basis = cache_basis(open_cache(damaged))
-    taps = open_cache(damaged).manifest.identity.capture.target_layer_ids
-    assert max(taps) + 1 + offset < 9       # the tiny target's 8 layers: hidden_states[0..8]
-
-    def one_layer_off(sid, z, ids):
+def rows_of_layers(target, basis, index):
+    """A `rewrite_hidden` function: each sample's rows projected from hidden_states[index[k]] in tap
+    k's place (an extractor that took the wrong layers or order)."""
+    def rows(sid, z, ids):
         with torch.no_grad():
             states = target(input_ids=torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
-        # hidden_states[tap] or [tap + 2], not [tap + 1]
-        return basis.project_taps(torch.stack([states[t + 1 + offset][0] for t in taps], dim=1))
+        return basis.project_taps(torch.stack([states[j][0] for j in index], dim=1))
+    return rows
 
+
+# The tiny target's taps are 1, 3, 5 (hidden_states[2], [4], [6] of 0..8).
+@pytest.mark.parametrize("index, named", [
+    ([1, 3, 5], ["tap 1 -> hidden_states[1] (tap+1-1)", "tap 3 -> hidden_states[3] (tap+1-1)",
+                 "tap 5 -> hidden_states[5] (tap+1-1)"]),
+    ([3, 5, 7], ["tap 1 -> hidden_states[3] (tap+1+1)", "tap 3 -> hidden_states[5] (tap+1+1)",
+                 "tap 5 -> hidden_states[7] (tap+1+1)"]),
+    ([2, 5, 6], ["tap 3 -> hidden_states[5] (tap+1+1)"]),
+    ([2, 6, 4], ["tap 3 -> hidden_states[6] (tap+1+2, tap 5's)", "tap 5 -> hidden_states[4] (tap+1-2, tap 3's)"]),
+], ids=["all-early", "all-late", "one-late", "two-swapped"])
+def test_rows_of_other_layers_are_named_tap_by_tap(damaged, target, index, named):
+    """Issue 77.2: the search is per tap, so one tap a layer off and two taps swapped are named
+    (before, every tap moved together and only a whole-offset fault could be named)."""
+    reader = open_cache(damaged)
+    assert reader.manifest.identity.capture.target_layer_ids == [1, 3, 5]
     for shard in ("shard-00000", "shard-00001", "shard-00002"):
-        rewrite_hidden(damaged, shard, one_layer_off)
+        rewrite_hidden(damaged, shard, rows_of_layers(target, cache_basis(reader), index))
     report = run_verify(VerifyOptions(cache=damaged, recompute=2))
     check = checks_of(report)["recompute"]
-    assert check["status"] == "fail" and f"one layer off (hidden_states[tap+1{offset:+d}]" in check["summary"], check
-    assert check["evidence"]["best_layer_offset"] == {f"{offset}": 4}
+    assert check["status"] == "fail", check
+    assert check["summary"].startswith("projected rows match other layers than the taps': ")
+    found = re.findall(r"tap \d+ -> hidden_states\[\d+\] \([^)]*\) in \d+ of \d+", check["summary"])
+    assert found == [f"{x} in 4 of 4" for x in named], check["summary"]
+    wrong = {str(t): {str(j): 4} for t, j in zip([1, 3, 5], index) if j != t + 1}
+    assert {t: b for t, b in check["evidence"]["best_hidden_state_index"].items() if b != {str(int(t) + 1): 4}} == wrong
+
+
+def test_rows_projected_with_another_pilots_basis_fail_the_tolerance(damaged, target):
+    """Rows projected with a basis fitted on another pilot, under the stored basis's name: no layer
+    or shift explains them, and the rounding-scaled error is far above the tolerance."""
+    from pipeline.projection.basis import SecondMoment, fit_basis
+
+    reader = open_cache(damaged)
+    stored_basis = cache_basis(reader)
+    moment = SecondMoment(stored_basis.width)
+    with torch.no_grad():
+        for k in range(4):  # another pilot: random token ids, not the conversations the basis saw
+            ids = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(k))
+            states = target(input_ids=ids, output_hidden_states=True).hidden_states
+            moment.add(torch.cat([states[t + 1][0] for t in (1, 3, 5)], dim=-1))
+    other = fit_basis(moment, stored_basis.rank)
+    for shard in ("shard-00000", "shard-00001", "shard-00002"):
+        rewrite_hidden(damaged, shard, rows_of_layers(target, other, [2, 4, 6]))
+    check = checks_of(run_verify(VerifyOptions(cache=damaged, recompute=2)))["recompute"]
+    assert check["status"] == "fail" and check["evidence"]["max_rel"] > 1.0, check
+    assert "rounding-scaled error" in check["summary"] and "(tolerance 0.05)" in check["summary"]
 
 
 def test_nan_in_a_projected_row_is_counted_for_the_row(damaged):

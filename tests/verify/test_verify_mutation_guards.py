@@ -1032,13 +1032,16 @@ def first_coordinates_basis(n_taps: int, width: int):
 
 
 def test_projected_alignment_by_hand():
+    """Each component is coordinate 0 of one tap (unit scales), so a row's rounding-scaled error is
+    (z - ref) / |x| coordinate by coordinate, and every hypothesis can be worked out by hand."""
     from pipeline.verify.model_checks import ProjectedAlignment
 
     states, basis = layered_states(), first_coordinates_basis(2, 2)
+    s = [0.0, 3.0, 1.0, 2.0]
 
-    def stored(offset=0, shift=0):
-        # z_t = (hidden_states[tap + 1 + offset][t][0] for each tap), as [T, 1, R]
-        z = torch.stack([states[t + 1 + offset][:, 0] for t in (1, 2)], dim=-1)
+    def stored(index=(2, 3), shift=0):
+        # z_t = (hidden_states[index[k]][t][0] for each tap k), as [T, 1, R]
+        z = torch.stack([states[j][:, 0] for j in index], dim=-1)
         return torch.roll(z, shift, 0)[:, None]
 
     good = ProjectedAlignment(basis, [1, 2])
@@ -1046,40 +1049,55 @@ def test_projected_alignment_by_hand():
     good.add(states, stored())
     ok, summary, evidence = good.verdict(2)
     assert ok and summary == (f"2 samples: every projected row best matches the projection (basis "
-                              f"{basis.digest()[:12]}) of hidden_states[tap+1] in place (layer offsets and position "
-                              "shifts -1/0/+1 tried)")
-    assert (evidence["best_layer_offset"], evidence["best_position_shift"]) == ({"0": 2}, {"0": 2})
-    assert (good.max_abs, good.max_rel) == (0.0, 0.0)
+                              f"{basis.digest()[:12]}) of hidden_states[tap+1] in place (each tap at its layer -1/+1 "
+                              "and at every other tap's layer, and position shifts -1/+1, tried)")
+    assert evidence["best_hidden_state_index"] == {"1": {"2": 2}, "2": {"3": 2}}
+    assert evidence["best_position_shift"] == {"0": 2}
+    assert (good.max_abs, good.noise, good.max_rel) == (0.0, 0.0, 0.0)
 
     early = ProjectedAlignment(basis, [1, 2])
-    early.add(states, stored(offset=-1))
-    ok, summary, _ = early.verdict(1)
-    assert not ok and summary == ("projected rows match the taps one layer off (hidden_states[tap+1-1], projected) "
-                                  "in 1 of 1 samples")
-    # against offset 0: [100 + s, 200 + s] vs [200 + s, 300 + s]: 100, relative to 300 + s (300 at least)
-    assert early.max_abs == 100.0 and early.max_rel == pytest.approx(100 / 300)
+    early.add(states, stored(index=(1, 2)))
+    ok, summary, evidence = early.verdict(1)
+    assert not ok and summary == ("projected rows match other layers than the taps': tap 1 -> hidden_states[1] "
+                                  "(tap+1-1) in 1 of 1, tap 2 -> hidden_states[2] (tap+1-1, tap 1's) in 1 of 1")
+    assert evidence["best_position_shift"] == {"0": 1}
+    # in place: z - ref = -100 in both coordinates, over |x| = 200 + s and 300 + s
+    by_hand = (sum((100 / (200 + v)) ** 2 + (100 / (300 + v)) ** 2 for v in s) / 8) ** 0.5
+    assert early.max_abs == 100.0 and early.noise == pytest.approx(by_hand)
 
-    late = ProjectedAlignment(basis, [1, 2])
-    late.add(states, stored(shift=1))
-    ok, summary, evidence = late.verdict(1)
-    assert not ok and summary == ("projected rows shifted by +1 position (stored[t] matches the projection of the taps "
-                                  "at t-1) in 1 of 1 samples")
-    assert evidence["best_position_shift"] == {"1": 1}
+    one = ProjectedAlignment(basis, [1, 2])
+    one.add(states, stored(index=(2, 4)))   # tap 2 from hidden_states[4]: one tap a layer late
+    ok, summary, _ = one.verdict(1)
+    assert not ok and summary == "projected rows match other layers than the taps': tap 2 -> hidden_states[4] (tap+1+1) in 1 of 1"
+
+    swapped = ProjectedAlignment(basis, [1, 2])
+    swapped.add(states, stored(index=(3, 2)))
+    ok, summary, _ = swapped.verdict(1)
+    assert not ok and summary == ("projected rows match other layers than the taps': tap 1 -> hidden_states[3] "
+                                  "(tap+1+1, tap 2's) in 1 of 1, tap 2 -> hidden_states[2] (tap+1-1, tap 1's) in 1 of 1")
+
+    for d, matches in ((1, "t-1"), (-1, "t+1")):
+        late = ProjectedAlignment(basis, [1, 2])
+        late.add(states, stored(shift=d))
+        ok, summary, evidence = late.verdict(1)
+        assert not ok and summary == (f"projected rows shifted by {d:+d} position (stored[t] matches the projection of "
+                                      f"the taps at {matches}) in 1 of 1 samples")
+        assert evidence["best_position_shift"] == {str(d): 1}
 
 
-def test_projected_offsets_stop_at_the_models_layers():
+def test_projected_candidates_stop_at_the_models_layers():
     from pipeline.verify.model_checks import ProjectedAlignment
 
     states, basis = layered_states(layers=5), first_coordinates_basis(2, 2)
     check = ProjectedAlignment(basis, [0, 3])
-    assert check.projected(states, 1) is None          # tap 3 + 1 + 1 = hidden_states[5]: past the last
-    assert check.projected(states, -1).shape == (4, 2)  # tap 0 + 1 - 1 = hidden_states[0]: the embeddings
+    assert check.candidates(0, 5) == [1, 0, 2, 4]   # its own, one either side, tap 3's
+    assert check.candidates(1, 5) == [4, 3, 1]      # hidden_states[5] is past the last
     z = torch.stack([states[0][:, 0], states[3][:, 0]], dim=-1)[:, None]
     check.add(states, z)
-    assert check.verdict(1)[2]["best_layer_offset"] == {"-1": 1}
+    assert check.verdict(1)[2]["best_hidden_state_index"] == {"0": {"0": 1}, "3": {"3": 1}}
     zero = ProjectedAlignment(first_coordinates_basis(1, 2), [0])
-    zero.add(torch.zeros(3, 2, 2), torch.full((2, 1, 1), 0.5))
-    assert zero.max_rel == pytest.approx(0.5 / 1e-6)
+    zero.add(torch.zeros(3, 2, 2), torch.full((2, 1, 1), 0.5))   # taps of zeros: 0.5 is as wrong as can be
+    assert zero.noise == pytest.approx(0.5 / 1e-30)
 
 
 def test_the_tail_check_needs_a_stored_tap():
