@@ -77,3 +77,23 @@ def test_ranks_that_save_nothing_or_that_the_pilot_does_not_span_are_refused():
         fit_basis(moment_of(x[:5]), 6)
     with pytest.raises(PipelineError, match="no token"):
         fit_basis(SecondMoment(48), 4)
+
+
+def test_the_moment_lives_on_the_host_while_its_products_run_on_the_device(monkeypatch):
+    """Issue 77.4: beside a target on a GPU, the fit keeps the D x D moment on the host and sends
+    the device one batch of rows and one block of columns at a time. Under the simulated
+    accelerator (mixing its tensors with the host's raises, as CUDA does) the fit on the device
+    gives the host fit's basis, and the moment it holds is a host tensor."""
+    from harness.simulated_device import simulated_accelerator
+
+    x = pilot(tokens=300, dim=48)
+    monkeypatch.setattr(SecondMoment, "FLUSH_TOKENS", 64)   # several batches and blocks at this size
+    monkeypatch.setattr(SecondMoment, "BLOCK", 16)
+    on_host = fit_basis(moment_of(x, 7), 12)
+    with simulated_accelerator() as sim:
+        moment = SecondMoment(48, device=sim.device)
+        for part in torch.tensor_split(x, 7):
+            moment.add(part.to(sim.device))
+        assert type(moment.sum) is torch.Tensor and moment.sum.device.type == "cpu"
+        on_device = fit_basis(moment, 12)
+    assert torch.equal(on_device.components, on_host.components) and torch.equal(on_device.scales, on_host.scales)
