@@ -39,10 +39,12 @@ TAIL_TOLERANCE = {"bf16": {"argmax": 0.1, "topk": 0.25, "logsumexp": 0.15},
 
 # The rounding-scaled error (ProjectedAlignment) a projected cache's rows may have against the
 # projection of a fresh forward, by hidden format, whether the extraction and the check compute in
-# float32 or bfloat16. Measured (BENCHMARKS, "verify's recompute on a projected cache"): sound
-# caches at most 0.01 (bf16) and 0.042 (fp8), the smallest planted fault (one tap a layer off)
-# 0.19, at the embedded target's width and at 5 x 5,120 with outlier dimensions.
-PROJECTED_TOLERANCE = {"bf16": 0.05, "fp8": 0.1}
+# float32 or bfloat16. Measured (BENCHMARKS, "verify's recompute on a projected cache") at the
+# embedded target's width and at 5 x 5,120 with outlier dimensions: sound caches at most 0.0096
+# (bf16) and 0.068 (fp8). The faults are named by the search, not by this bar (one tap a layer
+# off measures 0.08 at 5 x 5,120); the bar catches what no layer or shift explains (rows of
+# another pilot's basis: 2.0 and more).
+PROJECTED_TOLERANCE = {"bf16": 0.05, "fp8": 0.15}
 
 
 def stratified_picks(reader: CacheReader, shards: list[str], n: int, seed: int) -> list[tuple[str, int]]:

@@ -73,7 +73,7 @@ def test_a_sound_projected_cache_passes_with_the_tap_checks_skipped(projected, f
     taps = json.loads((projected[fmt] / "manifest.json").read_text())["config"]["capture"]["target_layer_ids"]
     assert recompute["best_hidden_state_index"] == {str(t): {str(t + 1): 4} for t in taps}
     assert recompute["best_position_shift"] == {"0": 4}
-    assert recompute["noise_rms"] <= {"bf16": 0.05, "fp8": 0.1}[fmt]
+    assert recompute["noise_rms"] <= {"bf16": 0.05, "fp8": 0.15}[fmt]
     assert recompute["rank"] == R and recompute["basis"] == checks["basis"]["evidence"]["digest"]
     assert recompute["argmax_agreement"] > 0.99
 
