@@ -241,7 +241,7 @@ def scaling(work: Path, quick: bool) -> dict:
         rows["extract_s"].append(time.perf_counter() - t0)
         rows["samples"].append(base * k)
         cfg, reader, runner = tt.setup(cache)
-        steps = (base * k) // cfg.batch_sequences // (4 if quick else 2)
+        steps = (base * k) // cfg.schedule.batch_sequences // (4 if quick else 2)
         t0 = time.perf_counter()
         for b in tt.stream_batches(cfg, reader, runner, steps):
             runner.step(b, 0, with_metrics=False)

@@ -115,7 +115,7 @@ def stages(repo: Path, work: Path, target: Path) -> dict:
     data = write_dataset(work / "agent.jsonl", 32)
     for d in ("cache", "run", "gen.jsonl", "gen.jsonl.parts"):
         subprocess.run(["rm", "-rf", str(work / d)], check=True)
-    (work / "train.toml").write_text(f"[train]\nmask_token = {MASK_ID}\n")
+    (work / "train.toml").write_text(f"[train.drafter]\nmask_token = {MASK_ID}\n")
     extract = ["extract", "--target", str(target), "--data", str(data), "--num-shards", "2", "--max-length", "100000"]
     results = {"extract": run(repo, [*extract, "--cache", str(work / "cache")])}
     # The profile is a second run (cProfile slows Python-heavy code): where the time goes, not how much.

@@ -283,15 +283,16 @@ def main() -> None:
 
         layers = args.drafter_layers
         (work / "train.toml").write_text("\n".join([
-            "[train]", f"num_hidden_layers = {layers}", "num_attention_heads = 32", "num_key_value_heads = 8",
+            "[train.drafter]", f"num_hidden_layers = {layers}", "num_attention_heads = 32", "num_key_value_heads = 8",
             "head_dim = 128", "intermediate_size = 17408", "rope_theta = 10000000.0", "max_position_embeddings = 262144",
             "layer_types = " + json.dumps(["sliding_attention"] * (layers - 1) + ["full_attention"]),
-            "sliding_window = 2048", "block_size = 16", "mask_token = 248070", "num_anchors = 4", "max_length = 512",
-            "batch_sequences = 2", "micro_batch_sequences = 1", "log_every = 1", "checkpoint_every = 2",
+            "sliding_window = 2048", "block_size = 16", "mask_token = 248070",
+            "[train.data]", "num_anchors = 4", "max_length = 512",
+            "[train.schedule]", "batch_sequences = 2", "micro_batch_sequences = 1", "log_every = 1", "checkpoint_every = 2",
             # One checkpoint kept (a resume needs the last): each is 5.4 GB at this width (the fp32
             # drafter layer, fc and AdamW state), and the rehearsal keeps two runs.
             "keep_checkpoints = 1",
-            "dtype = \"bfloat16\"", ""]))
+            "[train.job]", "dtype = \"bfloat16\"", ""]))
         train = ["train", "--config", str(work / "train.toml"), "--cache", f"s3://{bucket}/bf16", "--max-steps", str(STEPS),
                  "--json"]
         r.run("train 1 rank, uninterrupted", pipeline(*train, "--out", str(work / "run-one")))

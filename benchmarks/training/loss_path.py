@@ -62,7 +62,7 @@ def main() -> None:
                 rates["full" if full else "chunked"].append(sum(map(tokens, batches)) / seconds)
     med = {k: statistics.median(v) for k, v in rates.items()}
     result = {"steps": args.steps, "rounds": args.rounds, "threads": torch.get_num_threads(),
-              "batch_sequences": cfg.batch_sequences, "tokens_per_step": statistics.mean(map(tokens, batches)),
+              "batch_sequences": cfg.schedule.batch_sequences, "tokens_per_step": statistics.mean(map(tokens, batches)),
               "full_tok_s": round(med["full"], 1), "chunked_tok_s": round(med["chunked"], 1),
               "chunked_over_full": round(med["chunked"] / med["full"], 3),
               "all_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},

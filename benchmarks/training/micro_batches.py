@@ -192,11 +192,11 @@ def main() -> None:
         cache = cache_or_extract(args.cache, tmp)
         cfg, reader, runner = setup(cache)
         batches = list(stream_batches(cfg, reader, runner, args.steps))
-        large = list(stream_batches(cfg, reader, runner, math.ceil(args.share / cfg.batch_sequences)))
-        shares = {f"tiny preset ({cfg.batch_sequences} a step, cap {runner.plan.micro})": (share_sizes(batches), runner.plan.micro),
+        large = list(stream_batches(cfg, reader, runner, math.ceil(args.share / cfg.schedule.batch_sequences)))
+        shares = {f"tiny preset ({cfg.schedule.batch_sequences} a step, cap {runner.plan.micro})": (share_sizes(batches), runner.plan.micro),
                   f"{args.share} sequences, cap {args.share_cap}": ([sum(share_sizes(large), [])[:args.share]], args.share_cap)}
         result = {"steps": args.steps, "rounds": args.rounds, "threads": torch.get_num_threads(),
-                  "batch_sequences": cfg.batch_sequences, "micro_batch_sequences": runner.plan.micro,
+                  "batch_sequences": cfg.schedule.batch_sequences, "micro_batch_sequences": runner.plan.micro,
                   "cut": cut_cost(shares, runner.per_query, args.rounds),
                   "simulated_accelerator": simulated_steps(cache, args.steps)}
         if not args.cut_only:

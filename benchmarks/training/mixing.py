@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from presets import load_preset  # noqa: E402
-from pipeline.config import TrainConfig  # noqa: E402
+from pipeline.config import Data  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.training.stream import EpochOrder  # noqa: E402
 from pipeline.records.run_dir import RunDir  # noqa: E402
@@ -49,7 +49,7 @@ def curve(steps=(100, 300, 750)) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         run_extract(ExtractConfig(cache=str(cache), num_shards=8), None, progress=False)
-        for mix in sorted({1, TrainConfig.mix_shards}):
+        for mix in sorted({1, Data.mix_shards}):
             run = Path(tmp) / f"run-{mix}"
             cfg, preset_target = resolve_config(None, {"cache": str(cache), "out": str(run), "max_steps": max(steps),
                                                        "log_every": 50, "mix_shards": mix})
@@ -75,7 +75,7 @@ def main() -> None:
         parser.error(f"--rows must be at least one global batch ({batch} sequences), got {args.rows}")
     sizes = {f"shard-{s:05d}": len(shard_rows(s, args.rows, args.shards)) for s in range(args.shards)}
     result = {"rows": args.rows, "shards": args.shards, "batch_sequences": batch}
-    for mix in sorted({1, TrainConfig.mix_shards}):
+    for mix in sorted({1, Data.mix_shards}):
         counts = distinct_per_batch(sizes, batch, mix)
         result[f"mix_shards={mix}"] = {"batches": len(counts), "min": min(counts), "median": statistics.median(counts),
                                         "mean": round(statistics.mean(counts), 2), "max": max(counts)}

@@ -41,7 +41,7 @@ from pipeline.training.objectives import weighted_ce
 from pipeline.training.stream import ACCELERATOR_READ_AHEAD, SampleStream, StreamState
 from pipeline.target_model import read_target_facts, recorded_in_cache, resolve_target
 from stages.extract.run import run_extract
-from pipeline.training.geometry import drafter_config
+from pipeline.training.drafter_shape import drafter_config
 from pipeline.training.plan import make_plan
 from pipeline.training.step import StepRunner
 from pipeline.target_model import frozen_target_modules
@@ -61,37 +61,38 @@ def setup(cache: Path, device: torch.device | None = None):
     """The tiny preset's config, reader and step runner on `device` (default: the GPU if any, else the CPU)."""
     cfg, _ = resolve_config(None, {"cache": str(cache), "out": str(cache.parent / "run")})
     reader = CacheReader(cache)
-    target = resolve_target(cfg.target, recorded_in_cache(reader.manifest))
+    target = resolve_target(cfg.job.target, recorded_in_cache(reader.manifest))
     facts = read_target_facts(target)
-    config = drafter_config(cfg, facts, target, reader.manifest.identity.capture.target_layer_ids)
+    config = drafter_config(cfg.drafter, facts, target, reader.manifest.identity.capture.target_layer_ids)
     embed, head = frozen_target_modules(target)
     torch.manual_seed(0)
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     drafter = DFlashDrafter(config, embed=embed, lm_head=head).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
-    plan = make_plan(cfg, sum(reader.manifest.shards[s].samples for s in reader.shards), 1)
-    runner = StepRunner(cfg, plan, drafter, optimizer, params, device, 0, 1, gamma=cfg.gamma)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr)
+    plan = make_plan(cfg.schedule, cfg.optimizer, sum(reader.manifest.shards[s].samples for s in reader.shards), 1)
+    runner = StepRunner(plan, drafter, optimizer, params, device, 0, 1, objective=cfg.objective, optimization=cfg.optimizer,
+                        data=cfg.data, seed=cfg.job.seed, dtype=cfg.job.dtype, gamma=cfg.objective.gamma)
     return cfg, reader, runner
 
 
 def stream_batches(cfg, reader, runner, steps: int, workers: int = 0, prefetch: int = ACCELERATOR_READ_AHEAD):
     """The first `steps` global batches of epoch 0 as the trainer gets them: read on a thread
     (`prefetch` ahead), in this thread (`prefetch=0`) or in `workers` processes."""
-    stream = SampleStream(reader, seed=cfg.seed, state=StreamState(), prefetch=prefetch,
+    stream = SampleStream(reader, seed=cfg.job.seed, state=StreamState(), prefetch=prefetch,
                           transform=runner.preparer(0), workers=workers)
     items = stream.epoch()
     try:
         for _ in range(steps):
-            yield [next(items)[1] for _ in range(cfg.batch_sequences)]
+            yield [next(items)[1] for _ in range(cfg.schedule.batch_sequences)]
     finally:
         items.close()
 
 
 def per_anchor_step(runner, batch, cfg) -> float:
     """The straightforward loop: one forward per anchor over the context before it."""
-    drafter, b = runner.drafter, cfg.block_size
+    drafter, b = runner.drafter, cfg.drafter.block_size
     seqs = [seq for _, seq in batch if seq is not None]
     total_w = sum(float(s.weights.sum()) for s in seqs)
     runner.optimizer.zero_grad(set_to_none=True)
@@ -178,7 +179,7 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in rows.items()}
         result = {
             "cache_samples": sum(reader.manifest.shards[s].samples for s in reader.shards),
-            "batch_sequences": cfg.batch_sequences, "micro_batch_sequences": cfg.micro_batch_sequences,
+            "batch_sequences": cfg.schedule.batch_sequences, "micro_batch_sequences": cfg.schedule.micro_batch_sequences,
             "anchors_per_step": statistics.mean(map(anchors, batches)), "tokens_per_step": statistics.mean(map(tokens, batches)),
             "threads": torch.get_num_threads(), "rounds": args.rounds, "steps": args.steps,
             **{k: round(v, 1) for k, v in med.items()},

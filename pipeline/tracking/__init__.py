@@ -22,28 +22,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.config.train import TRACKER_NAMES
 from pipeline.records.eval_result import EvalResult, flat
 from pipeline.records.run_dir import RunDir
 
 # Each tracker: its name (that of its optional extra too) -> its class in backends.py. A new tracker
 # is a class there and a line here; the options' help texts list these names.
-TRACKERS = {"tensorboard": "TensorBoard", "wandb": "WandB", "mlflow": "MLflow", "trackio": "Trackio"}
+# Each tracker's backend class (pipeline/tracking/backends.py); the names are the config's (report_to).
+TRACKERS = dict(zip(TRACKER_NAMES, ("TensorBoard", "WandB", "MLflow", "Trackio"), strict=True))
 SCALAR_PREFIX = "train/"
-
-
-def parse_report_to(value: str | list[str] | None) -> list[str]:
-    """'tensorboard,mlflow' -> ['tensorboard', 'mlflow']; '' / 'none' / None -> []."""
-    if value is None:
-        return []
-    items = value if isinstance(value, list) else value.split(",")
-    names = [str(x).strip().lower() for x in items if str(x).strip()]
-    if names in (["none"], []):
-        return []
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        raise PipelineError(f"report_to: unknown tracker {', '.join(map(repr, unknown))}; choose from {', '.join(TRACKERS)}")
-    return list(dict.fromkeys(names))
 
 
 def scalars(record: dict, prefix: str = SCALAR_PREFIX) -> dict[str, float]:

@@ -21,6 +21,7 @@ import torch
 from pipeline.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.cache.manifest import Manifest
 from pipeline.config import TrainConfig
+from pipeline.config.tables import flat_record
 from pipeline.drafter.export import export_drafter, read_config, split_head
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.training.plan import gathered_state
@@ -167,12 +168,13 @@ class Position:
     tokens0: int = 0
 
 
-def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict, drafter, optimizer
+def resume_position(out: Path, *, resume: bool, record: dict, identity: dict, drafter, optimizer
                     ) -> tuple[Position, bool]:
     """(where the run starts, whether it resumed): the last checkpoint under `out` loaded into the
     drafter and optimizer when there is one and it may be resumed (same config but for
-    RESUMABLE_CHANGES, same cache); a fresh start otherwise."""
-    found = resumable_checkpoint(out, resume=resume, cfg=cfg, identity=identity)
+    RESUMABLE_CHANGES, same cache); a fresh start otherwise. `record`: this run's config, as
+    dataclasses.asdict(TrainConfig) (what its checkpoints keep)."""
+    found = resumable_checkpoint(out, resume=resume, record=record, identity=identity)
     if found is None:
         return Position(), False
     path, state = found
@@ -181,7 +183,7 @@ def resume_position(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict
                     elapsed0=state.get("elapsed_s", 0.0), tokens0=state.get("tokens_seen", 0)), True
 
 
-def resumable_checkpoint(out: Path, *, resume: bool, cfg: TrainConfig, identity: dict) -> tuple[Path, dict] | None:
+def resumable_checkpoint(out: Path, *, resume: bool, record: dict, identity: dict) -> tuple[Path, dict] | None:
     """(the last checkpoint under `out`, its trainer state) when the run will resume from it; None
     for a fresh start. Refuses, as resume_position does, checkpoints with resume off and a
     checkpoint whose config or cache differ from this run's."""
@@ -191,7 +193,7 @@ def resumable_checkpoint(out: Path, *, resume: bool, cfg: TrainConfig, identity:
     if not resume:
         raise PipelineError(f"{out}: has checkpoints up to {found[-1].name}; resume (the default) or choose a new --out")
     state = read_state(found[-1])
-    check_resumable(found[-1], state, cfg, identity)
+    check_resumable(found[-1], state, record, identity)
     return found[-1], state
 
 
@@ -220,9 +222,10 @@ def cache_identity(manifest: Manifest) -> dict:
             "shards": {name: rec.digest for name, rec in sorted(manifest.shards.items())}}
 
 
-def check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -> None:
-    saved = state["config"]
-    now = asdict(cfg)
+def check_resumable(path: Path, state: dict, record: dict, identity: dict) -> None:
+    # Compared setting by setting: a checkpoint of an older version recorded its config flat.
+    saved = flat_record(state["config"], TrainConfig)
+    now = flat_record(record, TrainConfig)
     changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
@@ -233,7 +236,7 @@ def check_resumable(path: Path, state: dict, cfg: TrainConfig, identity: dict) -
                             "(taps, data or shard digests changed)")
 
 
-def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, identity, elapsed, tokens, rank, world,
+def save_on_all_ranks(out, drafter, optimizer, *, keep: int, record: dict, step, epoch, position, identity, elapsed, tokens, rank, world,
                       device, guard=unguarded):
     """Rank 0 writes the checkpoint (the optimizer state gathered to it first); every rank
     learns whether that failed."""
@@ -241,9 +244,9 @@ def save_on_all_ranks(out, cfg, drafter, optimizer, *, step, epoch, position, id
     optimizer_state = gathered_state(optimizer, rank, world, device)  # a collective: None but on rank 0
     if rank == 0:
         try:
-            save_checkpoint(out, step=step, drafter=drafter, optimizer_state=optimizer_state, keep=cfg.keep_checkpoints,
+            save_checkpoint(out, step=step, drafter=drafter, optimizer_state=optimizer_state, keep=keep,
                             state={"epoch": epoch, "position": position, "elapsed_s": elapsed, "tokens_seen": tokens,
-                                   "world_size": world, "config": asdict(cfg), "cache": identity}, guard=guard)
+                                   "world_size": world, "config": record, "cache": identity}, guard=guard)
         except PipelineError as e:
             failure = e
     # Every rank learns whether rank 0's write failed (a full disk, say), so that all stop with

@@ -11,13 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.cache.reader import CacheReader
-from pipeline.config import TrainConfig, parse_loss
+from pipeline.config import Data, Schedule
 from pipeline.records.train_log import LogLine, write_line
 from pipeline.records.verdicts import append_verdict
 from pipeline.report.live import LiveVerdicts, Verdict
 from pipeline.tracking import Trackers
 from pipeline.training.checkpoint import Position, unguarded, save_on_all_ranks
-from pipeline.training.objectives import needs_distribution
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
 from pipeline.training.stream import SampleStream, StreamState, read_ahead
@@ -31,29 +30,31 @@ class LoopOutput:
     fired: list[Verdict] = field(default_factory=list)
 
 
-def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepRunner, at: Position, *, out: Path,
-               identity: dict, trackers: Trackers, verdicts: LiveVerdicts, log_file, view=None, warn=print,
-               guard=unguarded) -> LoopOutput:
-    """Run steps until plan.total_steps; `at` is advanced in place. `log_file` is None on ranks
-    other than 0 (they neither log nor report). `guard(what)` raises when the run no longer owns
-    `out` (RunClaim.check): called before each log line and checkpoint."""
+def train_loop(plan: Plan, reader: CacheReader, trainer: StepRunner, at: Position, *, data: Data, schedule: Schedule,
+               record: dict, out: Path, identity: dict, trackers: Trackers, verdicts: LiveVerdicts, log_file, view=None,
+               warn=print, guard=unguarded) -> LoopOutput:
+    """Run steps until plan.total_steps; `at` is advanced in place. `data` says how samples are
+    read, `schedule` when to log and checkpoint; `record` is the run's config as each checkpoint
+    keeps it. `log_file` is None on ranks other than 0 (they neither log nor report).
+    `guard(what)` raises when the run no longer owns `out` (RunClaim.check): called before each
+    log line and checkpoint."""
     result = LoopOutput()
     t_start, interval = time.perf_counter(), Interval()
     while at.step < plan.total_steps:
-        stream = SampleStream(reader, seed=cfg.seed, state=StreamState(epoch=at.epoch, position=at.position),
-                              rank=trainer.rank, world_size=trainer.world, prefetch=read_ahead(cfg.prefetch, trainer.device),
-                              fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if needs_distribution(parse_loss(cfg.loss)) else ()),
-                              transform=trainer.preparer(at.epoch), workers=cfg.loader_workers,
-                              mix_shards=cfg.mix_shards)
+        stream = SampleStream(reader, seed=trainer.seed, state=StreamState(epoch=at.epoch, position=at.position),
+                              rank=trainer.rank, world_size=trainer.world, prefetch=read_ahead(data.prefetch, trainer.device),
+                              fields=SampleStream.FIELDS + (SampleStream.SOFT_FIELDS if trainer.soft else ()),
+                              transform=trainer.preparer(at.epoch), workers=data.loader_workers,
+                              mix_shards=data.mix_shards)
         items = stream.epoch()
         try:
-            while at.step < plan.total_steps and at.position + cfg.batch_sequences <= plan.samples_per_epoch:
+            while at.step < plan.total_steps and at.position + schedule.batch_sequences <= plan.samples_per_epoch:
                 wait0 = time.perf_counter()
                 batch = [next(items)[1] for _ in range(plan.per_rank)]
                 interval.data_wait += time.perf_counter() - wait0
-                logging = (at.step + 1) % cfg.log_every == 0 or at.step == 0 or at.step + 1 == plan.total_steps
+                logging = (at.step + 1) % schedule.log_every == 0 or at.step == 0 or at.step + 1 == plan.total_steps
                 stepped = trainer.step(batch, at.step, with_metrics=logging)
-                at.step, at.position = at.step + 1, at.position + cfg.batch_sequences
+                at.step, at.position = at.step + 1, at.position + schedule.batch_sequences
                 interval.tokens += stepped["tokens"]
                 if logging:
                     result.last = log_record(stepped, trainer, interval, step=at.step, epoch=at.epoch,
@@ -65,18 +66,19 @@ def train_loop(cfg: TrainConfig, plan: Plan, reader: CacheReader, trainer: StepR
                     interval = Interval()
                 if view:
                     view.update(at.step, result.last.to_json() if logging else None)
-                if at.step % cfg.checkpoint_every == 0 or at.step == plan.total_steps:
+                if at.step % schedule.checkpoint_every == 0 or at.step == plan.total_steps:
                     at.tokens0 += trainer.take_tokens()
                     if log_file:  # rank 0: the trackers write into the run directory too
                         guard(f"flushing the trackers before checkpoint step {at.step}")
                     trackers.flush()  # a resume from this checkpoint finds every line before it in the trackers
-                    save_on_all_ranks(out, cfg, trainer.drafter, trainer.optimizer, step=at.step, epoch=at.epoch,
+                    save_on_all_ranks(out, trainer.drafter, trainer.optimizer, keep=schedule.keep_checkpoints, record=record,
+                                      step=at.step, epoch=at.epoch,
                                       position=at.position, identity=identity,
                                       elapsed=at.elapsed0 + time.perf_counter() - t_start, tokens=at.tokens0,
                                       rank=trainer.rank, world=trainer.world, device=trainer.device, guard=guard)
         finally:
             items.close()
-        if at.position + cfg.batch_sequences > plan.samples_per_epoch:
+        if at.position + schedule.batch_sequences > plan.samples_per_epoch:
             at.epoch, at.position = at.epoch + 1, 0
     return result
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.config import TrainConfig
+from pipeline.config import Optimizer, Schedule
 from pipeline.errors import PipelineError
 
 
@@ -21,24 +21,27 @@ class Plan:
     micro: int
 
 
-def make_plan(cfg: TrainConfig, samples: int, world: int) -> Plan:
-    if cfg.batch_sequences % world:
-        raise PipelineError(f"batch_sequences {cfg.batch_sequences} is not divisible by the world size {world}")
-    per_rank = cfg.batch_sequences // world
-    steps_per_epoch = samples // cfg.batch_sequences
+def make_plan(schedule: Schedule, optimization: Optimizer, samples: int, world: int) -> Plan:
+    """The run's sizes from its schedule, the warmup from the optimizer's settings."""
+    if schedule.batch_sequences % world:
+        raise PipelineError(f"batch_sequences {schedule.batch_sequences} is not divisible by the world size {world}")
+    per_rank = schedule.batch_sequences // world
+    steps_per_epoch = samples // schedule.batch_sequences
     if steps_per_epoch == 0:
         raise PipelineError(f"the cache has {samples} samples, fewer than one global batch "
-                            f"(batch_sequences {cfg.batch_sequences})")
-    total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
-    return Plan(samples, steps_per_epoch, total, min(warmup, total), per_rank, min(cfg.micro_batch_sequences, per_rank))
+                            f"(batch_sequences {schedule.batch_sequences})")
+    total = schedule.max_steps or steps_per_epoch * schedule.num_epochs
+    warmup = (optimization.warmup_steps if optimization.warmup_steps is not None
+              else round(optimization.warmup_ratio * total))
+    return Plan(samples, steps_per_epoch, total, min(warmup, total), per_rank,
+                min(schedule.micro_batch_sequences, per_rank))
 
 
-def make_optimizer(params: list, cfg: TrainConfig, world: int) -> torch.optim.Optimizer:
+def make_optimizer(params: list, optimization: Optimizer, world: int) -> torch.optim.Optimizer:
     """AdamW; with several ranks its state (8 bytes a parameter: 14 GB for the flagship drafter)
     is sharded across them by torch's ZeroRedundancyOptimizer instead of replicated. Each rank
     steps the parameters it owns and broadcasts them; the update equals plain AdamW's."""
-    options = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    options = {"lr": optimization.lr, "betas": tuple(optimization.betas), "weight_decay": optimization.weight_decay}
     if world == 1:
         return torch.optim.AdamW(params, **options)
     # Imported here: torch.distributed.optim scripts its functional optimizers with torch.jit at

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import TrainConfig
 from pipeline.distributed import decided_on_rank0
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.errors import PipelineError
@@ -31,36 +30,38 @@ from pipeline.training.checkpoint import cache_identity, resumable_checkpoint, s
 from pipeline.training.draft_vocab import choose_draft_vocab
 
 
-def run_draft_vocab(cfg: TrainConfig, reader, target_dir: Path, *, vocab_size: int, mask_id: int, resume: bool,
-                    rank: int, world: int, warn) -> tuple[DraftVocab | None, dict | None]:
-    """(the run's draft vocabulary, run.json's record of it), the same on every rank; (None, None)
-    without --draft-vocab."""
-    if cfg.draft_vocab is None:
+def run_draft_vocab(size: int | None, reader, target_dir: Path, *, max_length: int, out: Path, run_config: dict,
+                    vocab_size: int, mask_id: int, resume: bool, rank: int, world: int, warn
+                    ) -> tuple[DraftVocab | None, dict | None]:
+    """(the run's draft vocabulary of `size` tokens, run.json's record of it), the same on every
+    rank; (None, None) without --draft-vocab. The labels are counted within `max_length`; `out`
+    and `run_config` (the run's config) find the checkpoint a resume takes it from."""
+    if size is None:
         return None, None
 
     def decide() -> tuple[np.ndarray, dict]:
-        return (resumed_vocab(cfg, reader, vocab_size, resume=resume, warn=warn)
-                or counted_vocab(cfg, reader, target_dir, vocab_size=vocab_size, mask_id=mask_id))
+        return (resumed_vocab(Path(out), run_config, reader, vocab_size, resume=resume, warn=warn)
+                or counted_vocab(size, max_length, reader, target_dir, vocab_size=vocab_size, mask_id=mask_id))
 
     ids, record = decided_on_rank0(decide, rank=rank, world=world, what="choosing the draft vocabulary")
     return DraftVocab(ids, vocab_size), record
 
 
-def counted_vocab(cfg: TrainConfig, reader, target_dir: Path, *, vocab_size: int, mask_id: int
+def counted_vocab(size: int, max_length: int, reader, target_dir: Path, *, vocab_size: int, mask_id: int
                   ) -> tuple[np.ndarray, dict]:
     """(ids, record) chosen by counting the cache's labels: one pass over its label arrays."""
     from pipeline.target_model import load_tokenizer
 
-    vocab, record = choose_draft_vocab(reader, load_tokenizer(target_dir), size=cfg.draft_vocab, vocab_size=vocab_size,
-                                       mask_id=mask_id, max_length=cfg.max_length)
+    vocab, record = choose_draft_vocab(reader, load_tokenizer(target_dir), size=size, vocab_size=vocab_size,
+                                       mask_id=mask_id, max_length=max_length)
     return vocab.ids.numpy(), record
 
 
-def resumed_vocab(cfg: TrainConfig, reader, vocab_size: int, *, resume: bool, warn) -> tuple[np.ndarray, dict] | None:
+def resumed_vocab(out: Path, run_config: dict, reader, vocab_size: int, *, resume: bool, warn
+                  ) -> tuple[np.ndarray, dict] | None:
     """(ids, record) of the checkpoint this run resumes from, None when it starts afresh or the
     record cannot be trusted to be that vocabulary's (then the caller counts)."""
-    out = Path(cfg.out)
-    found = resumable_checkpoint(out, resume=resume, cfg=cfg, identity=cache_identity(reader.manifest))
+    found = resumable_checkpoint(out, resume=resume, record=run_config, identity=cache_identity(reader.manifest))
     if found is None:
         return None
     vocab = saved_draft_vocab(found[0], vocab_size)

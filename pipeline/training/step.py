@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.cache.schema import SAMPLE_ID
-from pipeline.config import TrainConfig, parse_loss
+from pipeline.config import Data, Objective, Optimizer, parse_loss
 from pipeline.devices import autocast
 from pipeline.training.batch import (anchor_generator, context_noise, final_hidden, forward_logits, loss_sum,
                                      noise_generator, pack, placeholder, prepare)
@@ -27,10 +27,11 @@ from pipeline.training.micro_batches import Sizes, cut, forward_cost_on, per_que
 from pipeline.training.objectives import needs_distribution
 
 
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    if cfg.dtype == "float32":
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of the `dtype` setting (Job.dtype) on `device`; None: float32 throughout."""
+    if dtype == "float32":
         return None
-    if cfg.dtype == "bfloat16":
+    if dtype == "bfloat16":
         return torch.bfloat16
     return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
 
@@ -55,21 +56,25 @@ class StepRunner:
     # sets it.
     stream_order = False
 
-    def __init__(self, cfg, plan, drafter, optimizer, params, device, rank, world, *, gamma,
-                 noise_scale: torch.Tensor | None = None):
-        """`noise_scale`: on a projected cache, 1 / each component's scale (batch.context_noise)."""
-        self.cfg, self.plan, self.drafter, self.optimizer, self.params = cfg, plan, drafter, optimizer, params
+    def __init__(self, plan, drafter, optimizer, params, device, rank, world, *, objective: Objective,
+                 optimization: Optimizer, data: Data, seed: int, dtype: str, gamma, noise_scale: torch.Tensor | None = None):
+        """`optimization`: the lr schedule's and the clip's settings (`optimizer` is the torch
+        optimizer they drive); `noise_scale`: on a projected cache, 1 / each component's scale
+        (batch.context_noise). The block size is the drafter's own (drafter.config)."""
+        self.plan, self.drafter, self.optimizer, self.params = plan, drafter, optimizer, params
+        self.objective, self.optimization, self.data, self.seed = objective, optimization, data, seed
+        self.block_size = drafter.config.block_size
         self.noise_scale = noise_scale
         self.device, self.rank, self.world, self.gamma = device, rank, world, gamma
         self.model = drafter
-        self.autocast = autocast_dtype(cfg, device)
+        self.autocast = autocast_dtype(dtype, device)
         self._tokens = 0
         self.plant = planted()  # None outside the tests that plant a bug on purpose
-        self.terms = parse_loss(cfg.loss)
+        self.terms = parse_loss(objective.loss)
         self.soft = needs_distribution(self.terms)
         # D-PACE weighs the slots itself: blocks carry the bare mask (no decay: gamma infinite),
         # which is also the loss's normaliser, sum(m) (objectives.py).
-        self.dpace_alpha = cfg.dpace_alpha if cfg.position_weight == "dpace" else None
+        self.dpace_alpha = objective.dpace_alpha if objective.position_weight == "dpace" else None
         self.block_gamma = math.inf if self.dpace_alpha is not None else gamma
         self._term_sums: dict[str, torch.Tensor] = {}
         self.per_query = per_query_work(drafter.config, head_rows=drafter.lm_head_weight.shape[0])
@@ -78,23 +83,23 @@ class StepRunner:
         self.forward_cost = forward_cost_on(device)
 
     def preparer(self, epoch: int):
-        cfg, config = self.cfg, self.drafter.config
+        data, config = self.data, self.drafter.config
 
         def transform(position, sample):
             return sample[SAMPLE_ID], prepare(
-                sample, block_size=cfg.block_size, num_anchors=cfg.num_anchors, max_length=cfg.max_length,
+                sample, block_size=config.block_size, num_anchors=data.num_anchors, max_length=data.max_length,
                 mask_token_id=config.mask_token_id, gamma=self.block_gamma, soft=self.soft,
-                generator=anchor_generator(cfg.seed, epoch, int(sample[SAMPLE_ID])), vocab=self.drafter.draft_vocab)
+                generator=anchor_generator(self.seed, epoch, int(sample[SAMPLE_ID])), vocab=self.drafter.draft_vocab)
         return transform
 
     def noise_std(self, step: int) -> float:
-        if self.cfg.noise_schedule == "linear":
-            return self.cfg.noise_std * (1.0 - step / max(1, self.plan.total_steps))
-        return self.cfg.noise_std
+        if self.objective.noise_schedule == "linear":
+            return self.objective.noise_std * (1.0 - step / max(1, self.plan.total_steps))
+        return self.objective.noise_std
 
     def lr(self, step: int) -> float:
-        lr = warmup_cosine(step, peak=self.cfg.lr, warmup=self.plan.warmup_steps, total=self.plan.total_steps,
-                           floor=self.cfg.min_lr_ratio)
+        lr = warmup_cosine(step, peak=self.optimization.lr, warmup=self.plan.warmup_steps, total=self.plan.total_steps,
+                           floor=self.optimization.min_lr_ratio)
         return lr * 1000 if self.plant == "lr_blowup" and step >= LR_BLOWUP_STEP else lr
 
     def _autocast(self):
@@ -124,7 +129,7 @@ class StepRunner:
     def _loss(self, packed, with_metrics: bool):
         """(sum of loss * w over the micro-batch, a function returning its metric sums)."""
         if self.full_logits:
-            if self.cfg.loss not in ("ce", "kl") or self.dpace_alpha is not None or self.drafter.draft_vocab is not None:
+            if self.objective.loss not in ("ce", "kl") or self.dpace_alpha is not None or self.drafter.draft_vocab is not None:
                 raise PipelineError("the full-logits reference path computes loss 'ce' or 'kl' with decay over the "
                                     "whole vocabulary only")
             with self._autocast():
@@ -132,7 +137,7 @@ class StepRunner:
             rows = packed.weights > 0
             self._term_sums[PLAIN_CE] = self._term_sums.get(PLAIN_CE, 0) + torch.nn.functional.cross_entropy(
                 logits[rows].float(), packed.labels[rows].long(), reduction="sum").detach().double()
-            return loss_sum(logits, packed, self.cfg.loss), lambda: metric_sums(
+            return loss_sum(logits, packed, self.objective.loss), lambda: metric_sums(
                 logits.detach(), packed.labels, packed.weights, packed.real_blocks)
         with self._autocast():
             final = final_hidden(self.model, packed)
@@ -150,10 +155,10 @@ class StepRunner:
         std = self.noise_std(step)
         if std > 0:
             for sid, seq in items:
-                seq.hidden = seq.hidden + context_noise(seq.hidden.shape, std, noise_generator(self.cfg.seed, step, sid),
+                seq.hidden = seq.hidden + context_noise(seq.hidden.shape, std, noise_generator(self.seed, step, sid),
                                                         self.noise_scale)
         if self.plant == "random_labels":
-            _random_labels(items, self.drafter.lm_head_weight.shape[0], seed=self.cfg.seed, step=step)
+            _random_labels(items, self.drafter.lm_head_weight.shape[0], seed=self.seed, step=step)
         tokens = sum(seq.num_tokens for _, seq in items)
         local_w = torch.tensor(sum(float(seq.weights.sum()) for _, seq in items), dtype=torch.float64)
         global_w = float(all_sum(local_w.clone(), self.world, self.device))
@@ -171,13 +176,13 @@ class StepRunner:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
             seqs = [seq for _, seq in chunk] or [self._placeholder()]
             with ctx:
-                packed = pack(seqs, self.cfg.block_size).to(self.device)
+                packed = pack(seqs, self.block_size).to(self.device)
                 part, metric = self._loss(packed, with_metrics)
                 (part * (self.world / global_w)).backward()
                 total_loss += part.detach().double()  # stays on the device: no sync per micro-batch
                 if with_metrics:
                     sums = add_sums(sums, metric())   # summed on the device; read once, at the log line
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optimization.grad_clip)
         # The step's one read back to the host: the finite check must precede the update.
         norm, local_loss = torch.stack([grad_norm.double(), total_loss]).tolist()
         if not math.isfinite(norm):
@@ -190,7 +195,7 @@ class StepRunner:
                   "local_loss": local_loss, "global_w": global_w}
         if with_metrics:
             if sums is None:
-                sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.cfg.block_size).items()}
+                sums = {k: torch.zeros_like(v) for k, v in _empty_sums(self.block_size).items()}
                 if self.drafter.draft_vocab is not None:
                     sums["outside"] = torch.zeros((), dtype=torch.float64)
             # Each term's share of the loss: every term the loss names, zero on a rank without one.

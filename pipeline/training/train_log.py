@@ -34,6 +34,6 @@ def log_record(result: dict, trainer: StepRunner, interval: Interval, *, step, e
         noise_std=result["noise_std"], tok_per_sec=tokens / seconds, elapsed_s=elapsed,
         epoch_progress=epoch + position / plan.samples_per_epoch, steps_per_epoch=plan.steps_per_epoch,
         supervised_slots=m["supervised_slots"], outside_vocab=m.get("outside_vocab"), data_wait_frac=interval.data_wait / seconds,
-        loss_terms=dict(result["loss_terms"]) if trainer.cfg.loss != "ce" else {},
+        loss_terms=dict(result["loss_terms"]) if trainer.objective.loss != "ce" else {},
     )
 

@@ -6,7 +6,7 @@ JobConfig and the `hf` CLI do the same from their dataclasses; fastapi from its 
 one `Options` built from what was given, defaults from the dataclass. `command(Options,
 config=Config)` adds the option fields of a TOML-backed config (ExtractConfig, TrainConfig), handed
 over as `overrides`: the values given, None for those left out (the TOML file or the preset decides
-them, pipeline/config.py load_config).
+them, pipeline/config/tables.py). A composed config (TrainConfig) gives its components' fields, flat.
 
 An option block several commands share (stages/options.py: --seed, --device, --shards...) has one
 help for all of them; a command where the option means something of its own says what in its
@@ -95,8 +95,25 @@ def _parameter(cls, f: dataclasses.Field, hint, *, overrides: bool) -> inspect.P
 
 
 def option_fields(cls) -> list[dataclasses.Field]:
-    """The fields of `cls` that are command-line options, in declaration order."""
-    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    """The fields of `cls` that are command-line options, in declaration order; a composed config
+    (TrainConfig) gives its components' options, flat: each setting's flag is its own name."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            fields.append(f)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            fields += option_fields(hints[f.name])
+    return fields
+
+
+def _hints(cls) -> dict:
+    """The type of every option field of `cls`, its components' included."""
+    hints = typing.get_type_hints(cls)
+    for name, hint in list(hints.items()):
+        if dataclasses.is_dataclass(hint):
+            hints.update(_hints(hint))
+    return hints
 
 
 def _own_first(cls, fields: list[dataclasses.Field]) -> list[dataclasses.Field]:
@@ -120,7 +137,7 @@ def command(options_cls, *, config=None):
     clash = sorted({f.name for f in own} & {f.name for f in from_config})
     if clash:
         raise TypeError(f"{options_cls.__name__}: {', '.join(clash)} is declared by {config.__name__} already")
-    hints = {**(typing.get_type_hints(config) if config is not None else {}), **typing.get_type_hints(options_cls)}
+    hints = {**(_hints(config) if config is not None else {}), **typing.get_type_hints(options_cls)}
     parameters = ([_parameter(config, f, hints[f.name], overrides=True) for f in from_config]
                   + [_parameter(options_cls, f, hints[f.name], overrides=False) for f in own])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeline.cache.info import cache_info
 from pipeline.cache.address import open_location
 from pipeline.errors import PipelineError
-from pipeline.training.train_config import max_length_source, resolve_config
+from pipeline.training.configure import max_length_source, resolve_config
 
 
 def run_cache_info(cache: str, draft_vocab: list[int] | None = None, *, train_config: Path | None = None,
@@ -62,19 +62,19 @@ def draft_vocab_coverage(cache: str, reader, sizes: list[int], *, train_config: 
     from pipeline.training.draft_vocab import check_size, count_labels, coverage, vocab_from_counts
 
     cfg, max_length_from = train_settings(cache, train_config, max_length)
-    target = resolve_target(cfg.target, recorded_in_cache(reader.manifest))
+    target = resolve_target(cfg.job.target, recorded_in_cache(reader.manifest))
     vocab_size = read_target_facts(target).vocab_size
     tokenizer = load_tokenizer(target)
-    mask = _mask_id(cfg.mask_token, target)
+    mask = _mask_id(cfg.drafter.mask_token, target)
     for k in sizes:  # before the pass over the cache
         check_size(k, vocab_size)
-    counts = count_labels(reader, vocab_size, cfg.max_length)
+    counts = count_labels(reader, vocab_size, cfg.data.max_length)
     rows = []
     for k in sizes:
         ids, kept = vocab_from_counts(counts, tokenizer, size=k, vocab_size=vocab_size, mask_id=mask)
         rows.append({"size": k, "coverage": round(coverage(counts, ids), 6), "reserved": len(kept["reserved"]),
                      "byte_fallbacks": len(kept["bytes"])})
-    return {"max_length": cfg.max_length, "max_length_from": max_length_from, "labels": int(counts.sum()),
+    return {"max_length": cfg.data.max_length, "max_length_from": max_length_from, "labels": int(counts.sum()),
             "distinct": int((counts > 0).sum()), "target_vocab": vocab_size, "rows": rows}
 
 
@@ -82,7 +82,7 @@ def train_settings(cache: str, train_config: Path | None, max_length: int | None
     """(the TrainConfig `pipeline train --cache CACHE [--config FILE] [--max-length N]` resolves,
     where its max_length came from): train's own resolution, so the two cannot drift apart."""
     cfg, _ = resolve_config(train_config, {"cache": cache, "max_length": max_length})
-    return cfg, max_length_source(train_config, max_length, cfg.preset)
+    return cfg, max_length_source(train_config, max_length, cfg.job.preset)
 
 
 def _mask_id(mask_token, target) -> int:
@@ -90,7 +90,7 @@ def _mask_id(mask_token, target) -> int:
     reserved: one slot)."""
     from pipeline.errors import PipelineError
     from pipeline.target_model import read_target_facts
-    from pipeline.training.geometry import mask_token_id
+    from pipeline.training.mask_token import mask_token_id
 
     try:
         return mask_token_id(mask_token, target, read_target_facts(target))

@@ -100,7 +100,7 @@ def run_demo(out: Path, *, quick: bool, progress: bool = True, say=print, report
         "cache": {"path": str(out / "cache"), "tokens": tokens, "bytes": stored, "bytes_per_token": stored / max(tokens, 1),
                   "shards": len(manifest.shards)},
         "verify": {"passed": verified["passed"], "failed_checks": failed},
-        "train": {"steps": trained["steps"], "block_size": cfg.block_size, **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
+        "train": {"steps": trained["steps"], "block_size": cfg.drafter.block_size, **{k: last.get(k) for k in ("loss", "accuracy", "top4_acc", "avg_streak",
                                                                            "ddtree_streak8")},
                   "drafter": trained["drafter"], "log": str(RunDir(out / "run").train_log)},
         "eval": {"prompts": ev.prompts, "lossless": ev.lossless,

@@ -42,7 +42,8 @@ from pipeline.eval.variants import Settings
 from pipeline.target_model import end_of_turn_ids, frozen_target_modules, load_target, load_tokenizer, read_target_facts, resolve_target
 from pipeline.target_model.internals import takes_mask
 from pipeline.target_model.live import LiveTarget
-from pipeline.tracking import parse_report_to, report_eval, tracker_class
+from pipeline.config.train import tracker_names
+from pipeline.tracking import report_eval, tracker_class
 from stages.eval.options import EvalOptions
 
 
@@ -62,7 +63,7 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
     # Opened first: a cache that cannot be used (shards of another identity among them) is one
     # line before any decoding, not after it.
     cache_reader = open_cache(o.cache) if o.cache is not None else None
-    report_to = parse_report_to(o.report_to)
+    report_to = tracker_names(o.report_to)
     for name in report_to:  # a missing extra or a drafter without its run: one line before any decoding
         tracker_class(name).check_installed()
     if report_to and not RunDir.holding(drafter_dir).train_log.is_file():

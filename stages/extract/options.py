@@ -1,5 +1,5 @@
 """`pipeline extract`'s own options; the extraction's settings are ExtractConfig's option fields
-(pipeline/config.py), which a TOML file may also hold."""
+(pipeline/config/extract.py), which a TOML file may also hold."""
 
 from __future__ import annotations
 

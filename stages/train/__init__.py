@@ -17,7 +17,7 @@ def train(options: TrainOptions, overrides: dict) -> None:
     from stages.train.run import resolve_config, run_train
 
     config = config_file(options.config, "train.toml")
-    cfg, preset_target = resolve_config(config, overrides)
+    cfg, preset_target = resolve_config(config, overrides, note=warning)
     rank0 = launched_rank() == 0
     summary = run_train(cfg, preset_target=preset_target, resume=options.resume,
                         view=TrainView(rank0 and not options.json_out), warn=warning)

@@ -1,5 +1,5 @@
 """`pipeline train`'s own options; the training's settings are TrainConfig's option fields
-(pipeline/config.py), which a TOML file or a preset may also hold."""
+(pipeline/config/train.py, by component), which a TOML file or a preset may also hold."""
 
 from __future__ import annotations
 

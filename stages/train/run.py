@@ -15,7 +15,6 @@ a resumed run logs the same losses as an uninterrupted one.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from pipeline.allocator import keep_freed_buffers_mapped
 from pipeline.cache.manifest import describe_missing
 from pipeline.cache.reader import open_cache
-from pipeline.config import TrainConfig
+from pipeline.config import Data, Job, TrainConfig
 from pipeline.devices import dtype_name, resolve_device
 from pipeline.distributed import elastic_restart_hazard, first_launch, init_data_parallel
 from pipeline.drafter.export import export_drafter
@@ -48,7 +47,8 @@ from pipeline.tracking import Trackers, open_trackers, tracker_class
 from pipeline.training.blocks import default_gamma
 from pipeline.training.checkpoint import cache_identity, resume_position, unguarded
 from pipeline.training.compat import check_compatible, kernel_paths
-from pipeline.training.geometry import check_mask_absent, drafter_config
+from pipeline.training.drafter_shape import drafter_config
+from pipeline.training.mask_token import check_mask_absent
 from pipeline.training.loop import train_loop
 from pipeline.training.loss import LOSS_PATH
 from pipeline.training.objectives import describe_slot_weights
@@ -56,26 +56,26 @@ from pipeline.training.plan import describe_optimizer, make_optimizer, make_plan
 from pipeline.training.run_claim import ClaimLost, claim_for_job
 from pipeline.training.run_vocab import run_draft_vocab
 from pipeline.training.step import StepRunner, autocast_dtype
-from pipeline.training.train_config import resolve_config  # noqa: F401 (train's entry point, for demo and the tests)
+from pipeline.training.configure import resolve_config  # noqa: F401 (train's entry point, for demo and the tests)
 
 
-def check_complete(cfg: TrainConfig, manifest, warn) -> dict:
+def check_complete(data: Data, manifest, warn) -> dict:
     """The manifest's missing shards; an incomplete cache is refused unless allowed (then warned)."""
     incomplete = manifest.missing_shards()
     if incomplete["missing"]:
-        if not cfg.allow_incomplete_cache:
-            raise PipelineError(f"{cfg.cache}: incomplete cache: {describe_missing(incomplete)}; finish the "
+        if not data.allow_incomplete_cache:
+            raise PipelineError(f"{data.cache}: incomplete cache: {describe_missing(incomplete)}; finish the "
                                 "extraction, or pass --allow-incomplete-cache to train on what is there")
         warn(f"training on an incomplete cache (--allow-incomplete-cache): {describe_missing(incomplete)}")
     return incomplete
 
 
-def new_drafter(cfg: TrainConfig, config, embed, head, device, vocab=None) -> tuple[DFlashDrafter, str]:
-    """(a freshly initialised drafter on `device`, seeded by cfg.seed; its attention path)."""
-    torch.manual_seed(cfg.seed)
+def new_drafter(job: Job, config, embed, head, device, vocab=None) -> tuple[DFlashDrafter, str]:
+    """(a freshly initialised drafter on `device`, seeded by the job's seed; its attention path)."""
+    torch.manual_seed(job.seed)
     drafter = DFlashDrafter(config, embed=embed, lm_head=head, draft_vocab=vocab).to(device)
-    drafter.attention = cfg.attention
-    path = attention_path(cfg.attention, device)
+    drafter.attention = job.attention
+    path = attention_path(job.attention, device)
     if path == "flex" and device.type != "cuda":
         raise PipelineError(f"attention 'flex' needs a CUDA device (torch has no flex attention backward on {device.type}); "
                             "use 'auto' or 'split'")
@@ -87,7 +87,7 @@ def run_train(cfg: TrainConfig, *, preset_target: dict | None = None, resume: bo
     """Train; returns a summary. `view` receives progress (None: silent). The run directory is
     claimed first, once for all ranks, and given back however the run ends (run_claim.py)."""
     rank, world = init_data_parallel()
-    claim = claim_for_job(Path(cfg.out), rank=rank, world=world, warn=warn)
+    claim = claim_for_job(Path(cfg.job.out), rank=rank, world=world, warn=warn)
     guard = claim.check if claim is not None else unguarded  # rank 0 checks before each of its writes
     try:
         return _train(cfg, rank, world, preset_target=preset_target, resume=resume, view=view, warn=warn, guard=guard)
@@ -103,10 +103,10 @@ def describe_run(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: in
     return RunRecord(
         config=asdict(cfg), target=str(target_dir), target_config_sha256=facts.config_sha256,
         target_weights=manifest.identity.target.weights,   # the weights whose predictions the drafter learns
-        cache=reader.location.where() if reader.location.remote else str(Path(cfg.cache).resolve()),
-        world_size=world, device=str(device), autocast=str(autocast_dtype(cfg, device)),
+        cache=reader.location.where() if reader.location.remote else str(Path(cfg.data.cache).resolve()),
+        world_size=world, device=str(device), autocast=str(autocast_dtype(cfg.job.dtype, device)),
         frozen_dtype=dtype_name(frozen_dtype), loss_path=LOSS_PATH,
-        slot_weights=describe_slot_weights(cfg.position_weight, gamma, cfg.dpace_alpha),
+        slot_weights=describe_slot_weights(cfg.objective.position_weight, gamma, cfg.objective.dpace_alpha),
         attention_path=attention_path, draft_vocab=vocab_record,
         tap_projection=None if manifest.identity.capture.projection is None
         else asdict(manifest.identity.capture.projection),
@@ -118,46 +118,48 @@ def describe_run(cfg: TrainConfig, reader, target_dir: Path, facts, *, world: in
 
 def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | None, resume: bool, view, warn,
            guard) -> dict:
-    for name in cfg.report_to:  # a missing extra is one line before anything loads
+    for name in cfg.tracking.report_to:  # a missing extra is one line before anything loads
         tracker_class(name).check_installed()
     hazard = elastic_restart_hazard()
     if hazard and rank == 0 and first_launch():
         warn(hazard)
     device, _ = resolve_device("auto", "auto")
     keep_freed_buffers_mapped()  # this process decodes every sample (or forks the loaders that do)
-    reader = open_cache(cfg.cache, cfg.cache_local, cfg.cache_local_size)
+    data = cfg.data
+    reader = open_cache(data.cache, data.cache_local, data.cache_local_size)
     manifest = reader.manifest
-    target_dir = resolve_target(cfg.target, recorded_in_cache(manifest))
+    target_dir = resolve_target(cfg.job.target, recorded_in_cache(manifest))
     facts = read_target_facts(target_dir)
     # The weights decide the frozen embedding and lm_head; config.json may be re-saved, so it is not compared.
     check_compatible(manifest, target=str(target_dir), target_claims=identity_claims(target_dir, weights=True, config=False),
-                     taps=cfg.target_layer_ids, preset_target=preset_target, preset_name=cfg.preset,
-                     allow_mixed_provenance=cfg.allow_mixed_provenance, warn=warn if rank == 0 else (lambda *_: None))
-    incomplete = check_complete(cfg, manifest, warn if rank == 0 else (lambda *_: None))
-    config = drafter_config(cfg, facts, target_dir, list(manifest.identity.capture.target_layer_ids))
+                     taps=cfg.drafter.target_layer_ids, preset_target=preset_target, preset_name=cfg.job.preset,
+                     allow_mixed_provenance=data.allow_mixed_provenance, warn=warn if rank == 0 else (lambda *_: None))
+    incomplete = check_complete(data, manifest, warn if rank == 0 else (lambda *_: None))
     # A projected cache: fc reads its R values a token; the export folds the basis back (pipeline/projection).
     basis = cache_basis(reader)
-    if basis is not None:
-        config = dataclasses.replace(config, tap_projection=basis.rank, tap_projection_energy=cfg.projected_fc == "energy")
+    config = drafter_config(cfg.drafter, facts, target_dir, list(manifest.identity.capture.target_layer_ids),
+                            projected_rank=None if basis is None else basis.rank)
     check_mask_absent(reader, config.mask_token_id)
-    frozen_dtype = autocast_dtype(cfg, device) or torch.float32
+    frozen_dtype = autocast_dtype(cfg.job.dtype, device) or torch.float32
+    run_config = asdict(cfg)  # what run.json, each checkpoint and the trackers record
     # Counted on rank 0 alone and sent to the others; on resume, the checkpoint's (run_vocab.py)
-    vocab, vocab_record = run_draft_vocab(cfg, reader, target_dir, vocab_size=facts.vocab_size,
+    vocab, vocab_record = run_draft_vocab(cfg.drafter.draft_vocab, reader, target_dir, max_length=data.max_length,
+                                          out=Path(cfg.job.out), run_config=run_config, vocab_size=facts.vocab_size,
                                           mask_id=config.mask_token_id, resume=resume, rank=rank, world=world,
                                           warn=warn)
     embed, head = frozen_target_modules(target_dir, frozen_dtype)
-    drafter, path = new_drafter(cfg, config, embed, head, device, vocab)
+    drafter, path = new_drafter(cfg.job, config, embed, head, device, vocab)
     if basis is not None:
         drafter.use_basis(basis)
     del head  # with a draft vocabulary the drafter keeps only its K rows
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, cfg, world)
-    plan = make_plan(cfg, sum(manifest.shards[s].samples for s in reader.shards), world)
-    out = Path(cfg.out)
+    optimizer = make_optimizer(params, cfg.optimizer, world)
+    plan = make_plan(cfg.schedule, cfg.optimizer, sum(manifest.shards[s].samples for s in reader.shards), world)
+    out = Path(cfg.job.out)
     identity = cache_identity(manifest)
-    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    gamma = cfg.objective.gamma or default_gamma(config.block_size)
 
-    at, resumed = resume_position(out, resume=resume, cfg=cfg, identity=identity, drafter=drafter,
+    at, resumed = resume_position(out, resume=resume, record=run_config, identity=identity, drafter=drafter,
                                   optimizer=optimizer)
     start_step = at.step
     if rank == 0:
@@ -170,7 +172,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
                                            vocab_record=vocab_record, plan=plan, config=config, incomplete=incomplete,
                                            resumed_from_step=at.step))
 
-    trainer = StepRunner(cfg, plan, drafter, optimizer, params, device, rank, world, gamma=gamma,
+    trainer = StepRunner(plan, drafter, optimizer, params, device, rank, world, objective=cfg.objective,
+                         optimization=cfg.optimizer, data=data, seed=cfg.job.seed, dtype=cfg.job.dtype, gamma=gamma,
                          noise_scale=None if basis is None else 1.0 / basis.scales)
     if world > 1:
         # Gradients as views of DDP's all-reduce buckets: one copy of them instead of two (1.8 GB a
@@ -178,16 +181,16 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         trainer.model = torch.nn.parallel.DistributedDataParallel(
             drafter, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
-    verdicts = LiveVerdicts(total_steps=plan.total_steps, warmup_steps=plan.warmup_steps, peak_lr=cfg.lr,
-                            vocab_size=config.draft_vocab_size or config.vocab_size, every=cfg.verdict_every)
+    verdicts = LiveVerdicts(total_steps=plan.total_steps, warmup_steps=plan.warmup_steps, peak_lr=cfg.optimizer.lr,
+                            vocab_size=config.draft_vocab_size or config.vocab_size, every=cfg.tracking.verdict_every)
     trackers = Trackers([])
     log_file = None
     if rank == 0:
         for line in read_train_log(RunDir(out).train_log):  # a resumed run: the causes that fired before stay fired
             verdicts.observe(line)
-        if cfg.report_to:
-            trackers = open_trackers(cfg.report_to, run_dir=out, run_name=out.resolve().name, start_step=at.step,
-                                     params={"config": asdict(cfg), "cache": identity, "plan": asdict(plan),
+        if cfg.tracking.report_to:
+            trackers = open_trackers(cfg.tracking.report_to, run_dir=out, run_name=out.resolve().name, start_step=at.step,
+                                     params={"config": run_config, "cache": identity, "plan": asdict(plan),
                                              "drafter": asdict(config), "world_size": world}, warn=warn)
         log_file = open(RunDir(out).train_log, "a", encoding="utf-8")
     t_start = time.perf_counter()
@@ -195,12 +198,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         view.start(total=plan.total_steps, done=at.step)
     lost = False
     try:
-        result = train_loop(cfg, plan, reader, trainer, at, out=out, identity=identity, trackers=trackers,
+        result = train_loop(plan, reader, trainer, at, data=data, schedule=cfg.schedule, record=run_config, out=out, identity=identity, trackers=trackers,
                             verdicts=verdicts, log_file=log_file, view=view, warn=warn, guard=guard)
         if rank == 0:
             guard("writing the export (drafter/)")
             drafter.eval()
-            export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg, device), basis=basis)
+            export_drafter(drafter, RunDir(out).drafter, dtype=autocast_dtype(cfg.job.dtype, device), basis=basis)
             trackers.artifact(RunDir(out).drafter)
     except ClaimLost:
         lost = True  # the directory is another run's now: the trackers' closing writes would land in it
@@ -216,9 +219,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
         dist.barrier()
     return {"steps": at.step, "total_steps": plan.total_steps, "epochs": round(at.step / plan.steps_per_epoch, 3),
             "last": last.to_json() if last else {}, "out": str(out), "drafter": str(RunDir(out).drafter), "world_size": world,
-            "device": str(device), "autocast": str(autocast_dtype(cfg, device)),
+            "device": str(device), "autocast": str(autocast_dtype(cfg.job.dtype, device)),
             "wall_s": round(time.perf_counter() - t_start, 2), "resumed": resumed,
-            "verdicts": [v.line() for v in result.fired], "report_to": cfg.report_to,
+            "verdicts": [v.line() for v in result.fired], "report_to": cfg.tracking.report_to,
             "resumed_from_step": start_step if resumed else None, "draft_vocab": describe_draft_vocab(vocab_record)}
 
 

@@ -209,7 +209,7 @@ def test_a_mask_id_that_occurs_in_the_data_is_refused(tmp_path, train_rows):
 
 def test_the_mask_token_may_be_an_id_and_must_be_reserved(cache, embedded):
     from pipeline.target_model import read_target_facts
-    from pipeline.training.geometry import mask_token_id
+    from pipeline.training.mask_token import mask_token_id
 
     facts = read_target_facts(embedded.TARGET_DIR)
     assert mask_token_id(499, embedded.TARGET_DIR, facts) == mask_token_id("<|MASK|>", embedded.TARGET_DIR, facts) == 499

@@ -57,7 +57,7 @@ def test_help_texts_survive_rich_markup():
     (["--cache", "{tmp}", "--loss", "mse"], "loss 'mse': each term is NAME or COEF*NAME with NAME one of ce, kl, tv, nla, lk"),
     (["--cache", "{tmp}", "--batch-sequences", "0"], "batch_sequences must be >= 1, got 0"),
     (["--cache", "{tmp}", "--preset", "huge"], "unknown preset 'huge'; available: qwen3.6-27b, tiny"),
-    (["--config", "{tmp}/train.toml"], "{tmp}/train.toml: unknown key(s) learning_rate in [train]"),
+    (["--config", "{tmp}/train.toml"], "{tmp}/train.toml: unknown key(s) learning_rate in [train]; its tables are [train.job], [train.data]"),
 ])
 def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
     (tmp_path / "train.toml").write_text("[train]\nlearning_rate = 0.1\n")
@@ -120,7 +120,7 @@ def test_quick_demo_runs_the_whole_pipeline(tmp_path):
     assert summary["train"]["steps"] == 40 and summary["eval"]["prompts"] == 6
     assert summary["train"]["block_size"] == 16  # the flagship's block size instead of the preset's 8
     assert json.loads((tmp_path / "demo" / "run" / "drafter" / "config.json").read_text())["block_size"] == 16
-    assert json.loads((tmp_path / "demo" / "run" / "run.json").read_text())["config"]["gamma"] == 7.0  # DESIGN 3.4
+    assert json.loads((tmp_path / "demo" / "run" / "run.json").read_text())["config"]["objective"]["gamma"] == 7.0  # DESIGN 3.4
     assert summary["cache"]["bytes_per_token"] > 0 and len(summary["report"]["plots"]) == 5
     assert summary["report"]["plots"][-1].endswith("report-tau-by-kind.png")
     kinds = summary["eval"]["by_kind"]

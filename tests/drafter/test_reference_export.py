@@ -121,13 +121,13 @@ def test_a_drafter_without_sliding_layers_reads_back_as_its_config(tmp_path):
 def embedded_drafter(mask_token: str | int, block_size: int = 6) -> DFlashDrafter:
     """A drafter of the embedded target with this mask token, its config resolved as train resolves it."""
     from pipeline import embedded
-    from pipeline.config import TrainConfig
+    from pipeline.config import DrafterShape
     from pipeline.target_model import read_target_facts
-    from pipeline.training.geometry import drafter_config
+    from pipeline.training.drafter_shape import drafter_config
 
     facts = read_target_facts(embedded.TARGET_DIR)
-    cfg = TrainConfig(mask_token=mask_token, block_size=block_size, num_hidden_layers=1)
-    config = drafter_config(cfg, facts, embedded.TARGET_DIR, taps=[1, 2])
+    shape = DrafterShape(mask_token=mask_token, block_size=block_size, num_hidden_layers=1)
+    config = drafter_config(shape, facts, embedded.TARGET_DIR, taps=[1, 2])
     return DFlashDrafter(config, embed=torch.nn.Embedding(facts.vocab_size, facts.hidden_size),
                          lm_head=torch.nn.Linear(facts.hidden_size, facts.vocab_size, bias=False))
 
@@ -180,10 +180,11 @@ def test_flagship_preset_is_the_reference_geometry():
     from stages.train.run import resolve_config
 
     cfg, target = resolve_config(None, {"preset": "qwen3.6-27b", "cache": "nowhere"})
-    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5, 32, 8, 128)
-    assert (cfg.intermediate_size, cfg.rope_theta, cfg.max_position_embeddings) == (17408, 1e7, 262144)
-    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
-    assert (cfg.block_size, cfg.mask_token, cfg.target_layer_ids) == (16, 248070, [1, 16, 31, 46, 61])
+    shape = cfg.drafter
+    assert (shape.num_hidden_layers, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (5, 32, 8, 128)
+    assert (shape.intermediate_size, shape.rope_theta, shape.max_position_embeddings) == (17408, 1e7, 262144)
+    assert shape.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and shape.sliding_window == 2048
+    assert (shape.block_size, shape.mask_token, shape.target_layer_ids) == (16, 248070, [1, 16, 31, 46, 61])
     assert (target["hidden_size"], target["vocab_size"]) == (5120, 248320)
 
 

@@ -48,7 +48,7 @@ def tracked(tmp_path_factory, sixty_four_rows_cache):
     log = [json.loads(x) for x in (root / "run" / "train_log.jsonl").read_text().splitlines()]
     config = json.loads((root / "run" / "run.json").read_text())["config"]
     return {"root": root, "run": root / "run", "summary": json.loads(result.stdout), "log": log, "stderr": result.stderr,
-            "lr": config["lr"], "first_ids": first_ids}
+            "lr": config["optimizer"]["lr"], "first_ids": first_ids}
 
 
 def expected(log):
@@ -93,7 +93,7 @@ def test_tensorboard_event_files_hold_every_logged_value(tracked):
     assert steps == [r["step"] for r in tracked["log"]], steps
     assert "run/parameters/text_summary" in acc.Tags()["tensors"]
     table = acc.Tensors("run/parameters/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert f"| config.lr | {tracked['lr']} |" in table and "cache.capture.target_layer_ids" in table
+    assert f"| config.optimizer.lr | {tracked['lr']} |" in table and "cache.capture.target_layer_ids" in table
 
 
 def test_mlflow_store_holds_every_logged_value_the_config_and_the_drafter(tracked):
@@ -106,7 +106,7 @@ def test_mlflow_store_holds_every_logged_value_the_config_and_the_drafter(tracke
     found = {key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key in want}
     assert_same(found, want, rel=1e-12)
     params = run.data.params
-    assert params["config.lr"] == str(tracked["lr"]) and params["config.report_to"] == '["tensorboard", "wandb", "mlflow", "trackio"]'
+    assert params["config.optimizer.lr"] == str(tracked["lr"]) and params["config.tracking.report_to"] == '["tensorboard", "wandb", "mlflow", "trackio"]'
     assert json.loads(params["cache.capture.target_layer_ids"]) == [1, 3, 5]
     assert run.info.status == "FINISHED"
     artifacts = {a.path for a in client.list_artifacts(run_id, "drafter")}
@@ -170,7 +170,7 @@ def test_wandb_offline_run_holds_every_logged_value_the_config_and_the_drafter(t
         assert set(found[key]) <= set(series), (key, sorted(set(found[key]) - set(series)))
         assert {s for s in series if s > CHECKPOINT_EVERY} <= set(found[key]), (key, sorted(found[key]))
         assert_same({key: found[key]}, {key: {s: series[s] for s in found[key]}}, rel=1e-12)
-    assert config["config.lr"] == tracked["lr"] and json.loads(config["cache.capture.target_layer_ids"]) == [1, 3, 5]
+    assert config["config.optimizer.lr"] == tracked["lr"] and json.loads(config["cache.capture.target_layer_ids"]) == [1, 3, 5]
     assert artifacts and artifacts[0][0] == "model" and {"config.json", "model.safetensors"} <= set(artifacts[0][1])
 
 
@@ -187,7 +187,7 @@ def test_trackio_store_holds_every_logged_value_and_the_config(tracked):
                 found.setdefault(key, {})[row["step"]] = float(value)
     assert_same(found, expected(tracked["log"]), rel=1e-12)
     config = SQLiteStorage.get_run_config("dflash", name)
-    assert config["config.lr"] == tracked["lr"]
+    assert config["config.optimizer.lr"] == tracked["lr"]
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_naming_the_extra(tmp_path):

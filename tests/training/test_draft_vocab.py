@@ -410,14 +410,14 @@ def test_cache_info_counts_the_labels_train_counts(long_rows_cache, tmp_path):
     cache = str(long_rows_cache)
     assert sum(plain_count(cache, 512, 3072).values()) > sum(plain_count(cache, 512, 512).values())  # a cut that matters
     toml = tmp_path / "train.toml"
-    toml.write_text("[train]\nmax_length = 300\n")
+    toml.write_text("[train.data]\nmax_length = 300\n")
     for extra, length, source in (((), 512, "preset tiny"), (("--config", str(toml)), 300, str(toml))):
         run = tmp_path / f"run{length}"
         done = cli_here("train", "--cache", cache, "--out", str(run), "--max-steps", "1", "--batch-sequences", "2",
                         "--draft-vocab", "64", *extra)
         assert done.returncode == 0, done.stderr
         recorded = json.loads((run / "run.json").read_text())
-        assert recorded["config"]["max_length"] == length
+        assert recorded["config"]["data"]["max_length"] == length
         info = cli_here("cache-info", cache, "--draft-vocab", "64", *extra, "--json")
         assert info.returncode == 0, info.stderr
         sized = json.loads(info.stdout)["draft_vocab"]

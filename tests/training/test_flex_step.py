@@ -24,7 +24,7 @@ import torch._dynamo.testing
 
 from harness import loss_batches as lb
 from harness.flex_cpu_backward import flex_backward_on_cpu
-from pipeline.config import TrainConfig
+from pipeline.config import Data, Objective, Optimizer
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig, _compiled_flex, flex_attention, split_block_attention
 from pipeline.training.batch import anchor_generator, prepare
 from pipeline.training.plan import Plan
@@ -51,11 +51,11 @@ def step(attention: str, window: int | None, lengths: tuple[int, ...], anchors: 
     model = drafter(window)
     model.attention = attention
     params = [p for p in model.parameters() if p.requires_grad]
-    cfg = TrainConfig(block_size=B, num_anchors=anchors, batch_sequences=len(lengths), micro_batch_sequences=micro,
-                      lr=1e-3)
     plan = Plan(samples_per_epoch=len(lengths), steps_per_epoch=1, total_steps=1, warmup_steps=0, per_rank=len(lengths),
                 micro=micro)
-    runner = StepRunner(cfg, plan, model, torch.optim.SGD(params, lr=0.0), params, torch.device("cpu"), 0, 1, gamma=4.0)
+    runner = StepRunner(plan, model, torch.optim.SGD(params, lr=0.0), params, torch.device("cpu"), 0, 1,
+                        objective=Objective(), optimization=Optimizer(lr=1e-3), data=Data(num_anchors=anchors), seed=0,
+                        dtype="auto", gamma=4.0)
     batch = [(s, prepare(lb.sample(n, s), block_size=B, num_anchors=anchors, max_length=4096, mask_token_id=lb.V - 1,
                          gamma=4.0, generator=anchor_generator(0, 0, s))) for s, n in enumerate(lengths)]
     result = runner.step(batch, 0, with_metrics=True)

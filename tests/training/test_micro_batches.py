@@ -17,7 +17,7 @@ import torch
 
 from harness import loss_batches as lb
 from harness.simulated_device import host, simulated_accelerator
-from pipeline.config import TrainConfig
+from pipeline.config import Data, Objective, Optimizer
 from pipeline.training.batch import anchor_generator, prepare
 from pipeline.training.micro_batches import FORWARD_COST, Sizes, cut, forward_cost_on
 from pipeline.training.plan import Plan
@@ -130,7 +130,7 @@ def test_the_rule_follows_the_device():
 def test_a_step_cut_by_size_computes_the_stream_orders_gradient():
     """Sequences of very different lengths in one step of up to 4 a micro-batch: the same loss and
     the same gradient whether they run in the stream's order or cut by size (which here does cut)."""
-    cfg = TrainConfig(block_size=lb.B, num_anchors=9, batch_sequences=5, micro_batch_sequences=4, lr=1e-3)
+    settings = dict(objective=Objective(), optimization=Optimizer(lr=1e-3), data=Data(num_anchors=9), seed=0, dtype="auto")
     lengths = (300, 20, 280, 25, 60)
 
     def run(stream_order: bool):
@@ -138,7 +138,7 @@ def test_a_step_cut_by_size_computes_the_stream_orders_gradient():
         params = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=0.0)   # no update: the gradient is what is compared
         plan = Plan(samples_per_epoch=5, steps_per_epoch=1, total_steps=1, warmup_steps=0, per_rank=5, micro=4)
-        runner = StepRunner(cfg, plan, drafter, optimizer, params, torch.device("cpu"), 0, 1, gamma=4.0)
+        runner = StepRunner(plan, drafter, optimizer, params, torch.device("cpu"), 0, 1, gamma=4.0, **settings)
         runner.stream_order = stream_order
         batch = [(s, prepare(lb.sample(n, s), block_size=lb.B, num_anchors=9, max_length=4096, mask_token_id=lb.V - 1,
                              gamma=4.0, generator=anchor_generator(0, 0, s))) for s, n in enumerate(lengths)]
@@ -159,7 +159,7 @@ def test_a_step_cut_by_size_computes_the_stream_orders_gradient():
 def test_a_step_on_the_accelerator_makes_one_forward_and_the_cpus_gradient():
     """The same five sequences, up to 5 a micro-batch: the CPU cuts them by size into several
     forwards, the simulated accelerator runs one; the loss and the gradient are the same."""
-    cfg = TrainConfig(block_size=lb.B, num_anchors=32, batch_sequences=5, micro_batch_sequences=5, lr=1e-3)
+    settings = dict(objective=Objective(), optimization=Optimizer(lr=1e-3), data=Data(num_anchors=32), seed=0, dtype="auto")
     lengths = (1000, 20, 900, 25, 60)   # padding a short one to a long one costs more than a forward
 
     def run(device):
@@ -167,7 +167,7 @@ def test_a_step_on_the_accelerator_makes_one_forward_and_the_cpus_gradient():
         params = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=0.0)   # no update: the gradient is what is compared
         plan = Plan(samples_per_epoch=5, steps_per_epoch=1, total_steps=1, warmup_steps=0, per_rank=5, micro=5)
-        runner = StepRunner(cfg, plan, drafter, optimizer, params, device, 0, 1, gamma=4.0)
+        runner = StepRunner(plan, drafter, optimizer, params, device, 0, 1, gamma=4.0, **settings)
         batch = [(s, prepare(lb.sample(n, s), block_size=lb.B, num_anchors=32, max_length=4096, mask_token_id=lb.V - 1,
                              gamma=4.0, generator=anchor_generator(0, 0, s))) for s, n in enumerate(lengths)]
         forwards = len(runner.micro_batches(batch))

@@ -86,7 +86,7 @@ def test_a_decay_run_and_a_dpace_run_log_the_same_ce_from_the_same_weights(cache
 
 def test_gamma_the_user_gave_is_refused_with_dpace_in_one_line(cache, tmp_path):
     config = tmp_path / "train.toml"
-    config.write_text('[train]\ngamma = 5.0\n')
+    config.write_text('[train.objective]\ngamma = 5.0\n')
     result = cli_here("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--config", str(config),
                       "--position-weight", "dpace")
     assert result.returncode == 1, result.stderr
@@ -94,9 +94,9 @@ def test_gamma_the_user_gave_is_refused_with_dpace_in_one_line(cache, tmp_path):
     assert len(lines) == 1 and "gamma: position_weight 'dpace' does not use gamma" in lines[0], result.stderr
     assert str(config) in lines[0] and not (tmp_path / "run").exists()
     # The same file with the decay it configures, and D-PACE without a gamma of the user's: accepted.
-    assert resolve_config(config, {"cache": str(cache), "position_weight": "decay"})[0].gamma == 5.0
+    assert resolve_config(config, {"cache": str(cache), "position_weight": "decay"})[0].objective.gamma == 5.0
     cfg, _ = resolve_config(None, {"cache": str(cache), "position_weight": "dpace"})
-    assert cfg.gamma == 4.0 and cfg.preset == "tiny"   # the preset's, unused: run.json says so
+    assert cfg.objective.gamma == 4.0 and cfg.job.preset == "tiny"   # the preset's, unused: run.json says so
 
 
 def test_ce_is_written_read_tracked_and_reported(tmp_path):

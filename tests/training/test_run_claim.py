@@ -70,7 +70,7 @@ def test_a_second_training_is_refused_and_a_killed_holder_is_taken_over(cache, t
         assert f"in use by another training run (pid {first.pid} on {socket.gethostname()}, since 20" in errors[0]
         assert "Traceback" not in second.stderr
         assert {p.relative_to(run).as_posix(): p.stat().st_mtime_ns for p in run.rglob("*")} == before
-        assert json.loads((run / "run.json").read_text())["config"]["lr"] == 3e-3
+        assert json.loads((run / "run.json").read_text())["config"]["optimizer"]["lr"] == 3e-3
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

@@ -11,7 +11,7 @@ import torch
 
 from harness import loss_batches as lb
 from pipeline.cache.schema import HIDDEN
-from pipeline.config import TrainConfig
+from pipeline.config import Data, Objective, Optimizer
 from pipeline.training.batch import anchor_generator, prepare
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
@@ -21,13 +21,13 @@ STD = 0.5
 
 @pytest.mark.parametrize("schedule, expected_std", [("constant", STD), ("linear", STD * (1 - 1 / 4))])
 def test_the_steps_noise_touches_the_context_features_only(schedule, expected_std):
-    cfg = TrainConfig(block_size=lb.B, num_anchors=9, batch_sequences=2, micro_batch_sequences=2, lr=1e-3,
-                      noise_std=STD, noise_schedule=schedule)
+    objective = Objective(noise_std=STD, noise_schedule=schedule)
     drafter = lb.drafter(seed=0)
     params = [p for p in drafter.parameters() if p.requires_grad]
     plan = Plan(samples_per_epoch=2, steps_per_epoch=4, total_steps=4, warmup_steps=0, per_rank=2, micro=2)
-    runner = StepRunner(cfg, plan, drafter, torch.optim.SGD(params, lr=0.0), params, torch.device("cpu"), 0, 1,
-                        gamma=4.0)
+    runner = StepRunner(plan, drafter, torch.optim.SGD(params, lr=0.0), params, torch.device("cpu"), 0, 1,
+                        objective=objective, optimization=Optimizer(lr=1e-3), data=Data(num_anchors=9), seed=0,
+                        dtype="auto", gamma=4.0)
     samples = [lb.sample(n, s) for s, n in enumerate((300, 120))]
     stored = [sample[HIDDEN].copy() for sample in samples]
 

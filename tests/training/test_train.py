@@ -23,7 +23,7 @@ from pipeline.drafter.model import DFlashDrafter
 from pipeline.errors import PipelineError
 from pipeline.target_model import read_target_facts
 from pipeline.target_model import frozen_target_modules
-from pipeline.training.geometry import drafter_config
+from pipeline.training.drafter_shape import drafter_config
 from pipeline.training.metrics import block_metrics
 from stages.train.run import resolve_config, run_train
 
@@ -113,7 +113,7 @@ def test_offline_loss_and_gradients_equal_online(cache, target, embedded):
         torch.testing.assert_close(c["hidden"].float(), x["hidden"], rtol=2**-7, atol=1e-5)  # bf16 rounding only
     cfg, _ = resolve_config(None, {"cache": str(cache)})
     embed, head = frozen_target_modules(embedded.TARGET_DIR)
-    config = drafter_config(cfg, read_target_facts(embedded.TARGET_DIR), embedded.TARGET_DIR, taps)
+    config = drafter_config(cfg.drafter, read_target_facts(embedded.TARGET_DIR), embedded.TARGET_DIR, taps)
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, embed=embed, lm_head=head)
     offline_loss, offline_grads = loss_and_grads(drafter, cached, sids)

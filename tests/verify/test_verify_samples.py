@@ -12,7 +12,7 @@ import zarr
 from harness.caches import manifest_json, resign, uncommit
 from harness.runs import cli, cli_here, write_rows
 from pipeline.cache.reader import CacheReader
-from pipeline.config import ExtractConfig, TrainConfig
+from pipeline.config import Data, ExtractConfig, Job, Schedule, TrainConfig
 from pipeline.errors import PipelineError
 from stages.extract.run import run_extract
 from stages.verify_cache.options import VerifyOptions
@@ -179,4 +179,5 @@ def test_unknown_kernel_provenance_fails_verify_and_train(tmp_path, train_rows, 
     provenance = next(c for c in report["checks"] if c["check"] == "provenance")
     assert provenance["status"] == "fail" and "UNKNOWN" in provenance["summary"]
     with pytest.raises(PipelineError, match="kernel provenance unknown"):
-        run_train(TrainConfig(cache=str(tmp_path / "cache"), out=str(tmp_path / "run"), max_steps=1, preset="tiny"))
+        run_train(TrainConfig(job=Job(out=str(tmp_path / "run"), preset="tiny"), data=Data(cache=str(tmp_path / "cache")),
+                              schedule=Schedule(max_steps=1)))

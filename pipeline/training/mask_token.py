@@ -1,41 +1,16 @@
-"""The drafter's geometry and its mask token, decided from the training config and the target
-(DESIGN 2: the mask id is a reserved token or a row past the tokenizer's vocabulary, and never
-occurs in the cache's input_ids)."""
+"""The drafter's mask token (DESIGN 2): an id or a token of the target's tokenizer, which must be
+a reserved token or a row past the tokenizer's vocabulary, and never occur in the cache's
+input_ids; and the hint the refusal gives when the tokenizer has no such token."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from presets import load_preset, preset_names
 from pipeline.cache.reader import CacheReader
 from pipeline.cache.schema import INPUT_IDS
-from pipeline.config import TrainConfig
-from pipeline.drafter.config import DrafterConfig
 from pipeline.errors import PipelineError
 from pipeline.target_model import TargetFacts, load_tokenizer, reserved_token_ids
-
-
-def drafter_config(cfg: TrainConfig, facts: TargetFacts, target_dir: Path, taps: list[int]) -> DrafterConfig:
-    text = json.loads((target_dir / "config.json").read_text())
-    text = text.get("text_config") or text
-    heads = cfg.num_attention_heads or facts.num_attention_heads
-    mask_id, mask_text = resolve_mask_token(cfg.mask_token, target_dir, facts)
-    try:
-        return DrafterConfig(
-            hidden_size=facts.hidden_size, intermediate_size=cfg.intermediate_size or int(text["intermediate_size"]),
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=heads,
-            num_key_value_heads=cfg.num_key_value_heads or (facts.num_key_value_heads if not cfg.num_attention_heads else heads),
-            head_dim=cfg.head_dim or int(text.get("head_dim") or facts.hidden_size // facts.num_attention_heads),
-            vocab_size=facts.vocab_size, target_layer_ids=list(taps), num_target_layers=facts.num_hidden_layers,
-            mask_token_id=mask_id, mask_token=mask_text, block_size=cfg.block_size,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=cfg.rope_theta or float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
-                                               or 10000.0),
-            max_position_embeddings=cfg.max_position_embeddings or int(text.get("max_position_embeddings", 32768)),
-            layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, draft_vocab_size=cfg.draft_vocab)
-    except ValueError as e:
-        raise PipelineError(f"drafter config: {e}") from None
 
 
 def mask_token_id(mask_token: str | int, target_dir: Path, facts: TargetFacts) -> int:
@@ -57,7 +32,7 @@ def _checked_mask_id(mask_token: str | int, tokenizer, target_dir: Path, facts: 
     if isinstance(mask_token, str):
         if mask_token not in tokenizer.get_vocab():
             raise PipelineError(f"{target_dir}: the tokenizer has no mask token {mask_token!r}: pass --mask-token ID|TOKEN "
-                                f"(or mask_token in the [train] table of --config){suggest_mask_token(tokenizer, facts)}")
+                                f"(or mask_token in the [train.drafter] table of --config){suggest_mask_token(tokenizer, facts)}")
         mask_id = int(tokenizer.convert_tokens_to_ids(mask_token))
     else:
         mask_id = int(mask_token)
