@@ -21,7 +21,7 @@ from pipeline.training.objectives import needs_distribution
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
 from pipeline.training.stream import SampleStream, StreamState, read_ahead
-from pipeline.training.train_log import Interval, log_record
+from pipeline.training.log_line import Interval, log_record
 
 
 @dataclass
