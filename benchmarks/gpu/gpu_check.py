@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import gpu_paths  # noqa: E402  (beside this file)
-from pipeline.machine import describe_machine  # noqa: E402
+from pipeline.timing_machine import describe_machine  # noqa: E402
 from pipeline.training.batch import final_hidden, pack, prepare  # noqa: E402
 from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
 from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path, block_mask  # noqa: E402

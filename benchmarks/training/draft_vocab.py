@@ -298,7 +298,7 @@ def main() -> None:
         return
     result = {"step": section_step, "drafting": section_drafting, "embedded": section_embedded,
               "coverage": section_coverage}[args.section](args)
-    from pipeline.machine import describe_machine
+    from pipeline.timing_machine import describe_machine
     result["machine"] = describe_machine()
     print(json.dumps(result, indent=2))
 

@@ -109,7 +109,7 @@ FLOORS = [
     ("independent", ["pipeline.records"]),
     ("independent", ["pipeline.drafter"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
-                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.machine", "pipeline.schedule",
+                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.timing_machine", "pipeline.schedule",
                 "pipeline.sampler", "pipeline.threads",
                 "pipeline"]),
 ]
