@@ -7,7 +7,11 @@
 - taps.py: which layers are tapped and what a tap index means;
 - capture.py: one forward that returns the tapped hidden states and the target's predictions;
 - live.py: the target beside a drafter during speculative decoding (its caches, verification);
+- plain_rows.py: plain decoding of several prompts at once (generate's batches, eval's reference);
 - tensor_parallel.py: the tensor-parallel plan;
+- kernels.py: which kernels the linear-attention ops were bound to and which ran (the cache's
+  kernel provenance);
+- describe.py: a target's layer pattern in a few words, for people;
 - internals/: every use of transformers' internals (tree.py: the tree-verification patches;
   versions.py: one adapter per change between the supported transformers releases).
 
