@@ -160,7 +160,7 @@ def section_step(args) -> dict:
 def section_drafting(args) -> dict:
     import torch
 
-    from pipeline.drafter.model import suffix_attention
+    from pipeline.drafter.attention_rule import suffix_attention
 
     rows = []
     for k in args.ks:
