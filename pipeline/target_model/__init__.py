@@ -2,13 +2,12 @@
 
 - facts.py: what a target directory is (config facts, digests, what it claims about a cache);
 - resolve.py: which target directory a command uses;
-- loading.py: its tokenizer, the whole model (optionally tensor-parallel), or only the frozen
-  embedding and lm_head;
+- loading.py: its tokenizer, the whole model (optionally tensor-parallel, with its plan), or only
+  the frozen embedding and lm_head;
 - taps.py: which layers are tapped and what a tap index means;
 - capture.py: one forward that returns the tapped hidden states and the target's predictions;
 - live.py: the target beside a drafter during speculative decoding (its caches, verification);
 - plain_rows.py: plain decoding of several prompts at once (generate's batches, eval's reference);
-- tensor_parallel.py: the tensor-parallel plan;
 - kernels.py: which kernels the linear-attention ops were bound to and which ran (the cache's
   kernel provenance);
 - describe.py: a target's layer pattern in a few words, for people;
