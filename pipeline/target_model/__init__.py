@@ -10,7 +10,6 @@
 - plain_rows.py: plain decoding of several prompts at once (generate's batches, eval's reference);
 - kernels.py: which kernels the linear-attention ops were bound to and which ran (the cache's
   kernel provenance);
-- describe.py: a target's layer pattern in a few words, for people;
 - internals/: every use of transformers' internals (tree.py: the tree-verification patches;
   versions.py: one adapter per change between the supported transformers releases).
 
