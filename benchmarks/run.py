@@ -48,7 +48,7 @@ from pipeline.cache.reader import CacheReader  # noqa: E402
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.training.stream import SampleStream, StreamState  # noqa: E402
 from pipeline.embedded import TRAIN_DATA  # noqa: E402
-from pipeline.machine import describe_machine, machine_line  # noqa: E402
+from pipeline.timing_machine import describe_machine, machine_line  # noqa: E402
 from stages.extract.run import run_extract  # noqa: E402
 
 QWEN_TAPS, QWEN_HIDDEN = 5, 5120

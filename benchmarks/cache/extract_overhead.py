@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.config import ExtractConfig  # noqa: E402
 from pipeline.embedded import TARGET_DIR  # noqa: E402
-from pipeline.machine import describe_machine  # noqa: E402
+from pipeline.timing_machine import describe_machine  # noqa: E402
 from pipeline.cache.shard_plan import shard_rows  # noqa: E402
 from pipeline.data.samples import length_batches  # noqa: E402
 from stages.extract.run import run_extract  # noqa: E402

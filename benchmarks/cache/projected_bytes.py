@@ -23,7 +23,7 @@ bf16 (`compute_dtype = "bfloat16"` in an [extract] table), the same rows for all
    over it before the extraction pass).
 4. `cache-info CACHE --json` on each.
 
-Prints one JSON document: the machine (pipeline/machine.py), the data (rows, tokens, distinct
+Prints one JSON document: the machine (pipeline/timing_machine.py), the data (rows, tokens, distinct
 prefixes), and per run: the command, its wall seconds, peak RSS and peak anonymous memory of the
 extract process (benchmarks/process_memory.py), the 1-minute load average before and after it (the
 machine is shared), stored bytes per token (cache-info), raw bytes per token (the schema's,
@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.flagship.rehearsal import FIXTURES, Rehearsal, write_data  # noqa: E402
 from pipeline.cache.schema import HIDDEN, HIDDEN_SCALE  # noqa: E402
-from pipeline.machine import describe_machine, machine_line  # noqa: E402
+from pipeline.timing_machine import describe_machine, machine_line  # noqa: E402
 
 
 def session_ids(path: Path, target: Path) -> list[list[int]]:

@@ -34,7 +34,7 @@ of a few dozen (about 35 tokens a second at tp 1 and 15 at tp 8 on 2 cores); one
 and 4 anchors (fp32 weights, gradients and AdamW state of one layer at 5120 are about 8 GB a rank
 with two ranks).
 
-Prints one JSON document (the machine: CPU model and its bf16 support, pipeline/machine.py; each
+Prints one JSON document (the machine: CPU model and its bf16 support, pipeline/timing_machine.py; each
 stage: command, wall seconds, the peak RSS and peak anonymous memory of its largest process, each
 rank's for torchrun, result) and exits 1 at the first stage that fails. The per-stage table (the
 machine's line above it: with avx512_bf16 the small rehearsal took 17 minutes, without 82) goes to
@@ -58,7 +58,7 @@ FIXTURES = REPO.parent / "shared" / "fixtures"
 sys.path.insert(0, str(REPO))
 
 from benchmarks.process_memory import ProcessMemory  # noqa: E402
-from pipeline.machine import describe_machine, machine_line  # noqa: E402
+from pipeline.timing_machine import describe_machine, machine_line  # noqa: E402
 from pipeline.records.run_dir import RunDir  # noqa: E402
 from pipeline.records.train_log import read_train_log  # noqa: E402
 from pipeline.records.verify_result import VerifyResult  # noqa: E402

@@ -57,10 +57,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import gpu_paths  # noqa: E402  (beside this file)
-from pipeline.machine import describe_machine  # noqa: E402
+from pipeline.timing_machine import describe_machine  # noqa: E402
 from pipeline.training.batch import final_hidden, pack, prepare  # noqa: E402
 from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
-from pipeline.drafter.model import DFlashDrafter, DrafterConfig, attention_path, block_mask  # noqa: E402
+from pipeline.drafter.attention_rule import attention_path, block_mask  # noqa: E402
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from pipeline.drafter.vocab import DraftVocab  # noqa: E402
 from harness.draft_vocab import with_draft_vocab  # noqa: E402
 from harness.flex_cpu_backward import flex_backward_on_cpu  # noqa: E402

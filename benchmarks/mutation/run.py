@@ -151,8 +151,13 @@ MAPPING: dict[str, dict] = {
             "tests/drafter/test_drafter.py", "tests/drafter/test_incremental.py", "tests/drafter/test_attention_rule.py",
             "tests/drafter/test_reference_export.py", "tests/training/test_loss.py", "tests/training/test_flex_step.py",
             "tests/training/test_draft_vocab.py::test_the_whole_vocabulary_as_a_draft_vocabulary_changes_no_bit"],
-        "why": ("the drafter against the reference implementation; training's attention paths (split, flex, "
-                "compiled) and the head's weight as its loss reads them")},
+        "why": ("the drafter against the reference implementation; the attention path it picks and the head's "
+                "weight as training's loss reads them")},
+    "pipeline/drafter/attention_rule.py": {
+        "group": "drafter", "tests": [
+            "tests/drafter/test_attention_rule.py", "tests/drafter/test_drafter.py", "tests/drafter/test_incremental.py",
+            "tests/training/test_loss.py", "tests/training/test_flex_step.py"],
+        "why": "the attention rule's masks and training's attention paths (split, flex, compiled) against dense SDPA"},
     "pipeline/eval/speculative_sampling.py": {
         "group": "eval", "tests": [
             "tests/eval/test_sampling_keys.py", "tests/eval/test_ties.py", *(f"tests/eval/test_sampling.py::{t}" for t in (

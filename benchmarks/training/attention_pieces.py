@@ -1,5 +1,6 @@
 """How many queries a piece of `split_block_attention` takes (the CPU training path's attention;
-the constant `pipeline.drafter.model.PIECE_QUERIES` is chosen from this), side by side in one run.
+the constant `pipeline.drafter.attention_rule.PIECE_QUERIES` is chosen from this), side by side in
+one run.
 
     python benchmarks/training/attention_pieces.py [--pieces 64,128,256,512] [--rounds 3] [--json]
 
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.cli_args import at_least_one, positive_ints  # noqa: E402
-from pipeline.drafter.model import split_block_attention  # noqa: E402
+from pipeline.drafter.attention_rule import split_block_attention  # noqa: E402
 
 SHAPES = {  # name: (context tokens, anchors, block, query heads, KV heads, head dim)
     "tiny, 250 tokens": (250, 200, 8, 6, 1, 32),

@@ -160,7 +160,7 @@ def section_step(args) -> dict:
 def section_drafting(args) -> dict:
     import torch
 
-    from pipeline.drafter.model import suffix_attention
+    from pipeline.drafter.attention_rule import suffix_attention
 
     rows = []
     for k in args.ks:
@@ -298,7 +298,7 @@ def main() -> None:
         return
     result = {"step": section_step, "drafting": section_drafting, "embedded": section_embedded,
               "coverage": section_coverage}[args.section](args)
-    from pipeline.machine import describe_machine
+    from pipeline.timing_machine import describe_machine
     result["machine"] = describe_machine()
     print(json.dumps(result, indent=2))
 

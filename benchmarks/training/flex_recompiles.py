@@ -1,7 +1,7 @@
 """How many graphs torch compiles for the drafter's flex attention over a run's changing shapes
 (issue 67): compiled as before issue 67 (the kernel with `dynamic=False`, the mask with dynamo's
-defaults) and as the model compiles both now (`pipeline.drafter.model._compiled_flex`: dynamic
-shapes), on the CPU.
+defaults) and as the model compiles both now (`pipeline.drafter.attention_rule._compiled_flex`:
+dynamic shapes), on the CPU.
 
     python benchmarks/training/flex_recompiles.py [--shapes 10] [--backend aot_eager] [--backward] [--json]
 
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.cli_args import at_least_one  # noqa: E402
 from harness.flex_cpu_backward import flex_backward_on_cpu  # noqa: E402
-from pipeline.drafter import model  # noqa: E402
+from pipeline.drafter import attention_rule  # noqa: E402
 
 BLOCK, HEADS, KV_HEADS, DIM, WINDOW = 16, 4, 2, 16, 64
 
@@ -73,14 +73,14 @@ def graphs() -> dict[str, int]:
 
 def run(mode: str, backend: str, run_shapes, backward: bool) -> dict:
     torch._dynamo.reset()
-    model._compiled_flex.cache_clear()
-    original = model._compiled_flex
+    attention_rule._compiled_flex.cache_clear()
+    original = attention_rule._compiled_flex
     if mode == "before":
         # The code before issue 67: `create_block_mask(..., _compile=True)` is torch.compile with
         # dynamo's defaults, and the kernel was compiled with dynamic=False.
         pair = (torch.compile(fa.create_block_mask, backend=backend),
                 torch.compile(fa.flex_attention, dynamic=False, backend=backend))
-        model._compiled_flex = lambda backend: pair
+        attention_rule._compiled_flex = lambda backend: pair
     hits = LimitHits()
     logging.getLogger("torch._dynamo").addHandler(hits)
     rows, start = [], time.perf_counter()
@@ -92,11 +92,11 @@ def run(mode: str, backend: str, run_shapes, backward: bool) -> dict:
                 q = torch.randn(s, HEADS, a * BLOCK, DIM, generator=g, requires_grad=backward)
                 k = torch.randn(s, KV_HEADS, t + a * BLOCK, DIM, generator=g, requires_grad=backward)
                 v = torch.randn(s, KV_HEADS, t + a * BLOCK, DIM, generator=g, requires_grad=backward)
-                attend = model.flex_attention(anchors, t, a * BLOCK, {None, WINDOW}, compiled=True, backend=backend)
+                attend = attention_rule.flex_attention(anchors, t, a * BLOCK, {None, WINDOW}, compiled=True, backend=backend)
                 diff = 0.0
                 for window in (WINDOW, None):
                     with torch.set_grad_enabled(backward):
-                        got, want = attend(q, k, v, window), model.split_block_attention(q, k, v, t, anchors, window)
+                        got, want = attend(q, k, v, window), attention_rule.split_block_attention(q, k, v, t, anchors, window)
                     diff = max(diff, float((got - want).abs().max()))
                     if backward:
                         up = torch.randn(got.shape, generator=g)
@@ -108,8 +108,8 @@ def run(mode: str, backend: str, run_shapes, backward: bool) -> dict:
         rows.append({"failed": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"})
     finally:
         logging.getLogger("torch._dynamo").removeHandler(hits)
-        model._compiled_flex = original
-        model._compiled_flex.cache_clear()
+        attention_rule._compiled_flex = original
+        attention_rule._compiled_flex.cache_clear()
         torch._dynamo.reset()
     return {"mode": mode, "seconds": round(time.perf_counter() - start, 1), "rows": rows}
 

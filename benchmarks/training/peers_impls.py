@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import pipeline.drafter.model as drafter_model  # noqa: E402
+import pipeline.drafter.attention_rule as attention_rule  # noqa: E402
 from pipeline.training.batch import SequenceBlocks, final_hidden, pack  # noqa: E402
 from pipeline.training.blocks import block_targets, block_tokens  # noqa: E402
 from pipeline.training.loss import LOSS_PATH, supervised_loss  # noqa: E402
@@ -160,11 +160,16 @@ class OursAt(Ours):
 
     def __init__(self, drafter: DFlashDrafter, b: Batch, g: Geometry, revision: str):
         super().__init__(drafter, b, g)
-        source = subprocess.run(["git", "show", f"{revision}:pipeline/drafter/model.py"], cwd=REPO, check=True,
-                                capture_output=True, text=True).stdout
-        module = types.ModuleType(f"model_at_{revision}")
+        # The attention rule's module since it left model.py; model.py at older revisions.
+        for path in ("pipeline/drafter/attention_rule.py", "pipeline/drafter/model.py"):
+            shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        else:
+            raise SystemExit(f"{revision}: neither attention_rule.py nor model.py in pipeline/drafter/")
+        module = types.ModuleType(f"attention_at_{revision}")
         sys.modules[module.__name__] = module  # dataclasses look their module up
-        exec(compile(source, f"{revision}:pipeline/drafter/model.py", "exec"), module.__dict__)
+        exec(compile(shown.stdout, f"{revision}:{path}", "exec"), module.__dict__)
         self.split = module.split_block_attention
         self.name = f"ours@{revision}"
         self.attention = f"split_block_attention at {revision}; loss: {LOSS_PATH}"
@@ -172,12 +177,12 @@ class OursAt(Ours):
 
     @contextlib.contextmanager
     def active(self):
-        current = drafter_model.split_block_attention
-        drafter_model.split_block_attention = self.split
+        current = attention_rule.split_block_attention
+        attention_rule.split_block_attention = self.split
         try:
             yield
         finally:
-            drafter_model.split_block_attention = current
+            attention_rule.split_block_attention = current
 
     def step(self) -> float:
         with self.active():

@@ -9,10 +9,10 @@ into one cache. So extract writes a probe key twice under the cache's prefix and
 that accepts the second write.
 
 Cost: three requests on an object store (two conditional writes of 2 bytes, one delete; counted
-by tests/test_store_probe.py through a relay), a few file operations in a directory; all under the cache's own prefix, at
-`.create-if-absent-probe-<random>`; the key is deleted again whatever the answer. A concurrent
-extract that lists the prefix meanwhile treats such keys as this tool's own
-(pipeline/extract/claim.py `refuse_foreign_content`).
+by tests/cache/test_mixed_identity.py through a relay), a few file operations in a directory; all
+under the cache's own prefix, at `.create-if-absent-probe-<random>`; the key is deleted again
+whatever the answer. A concurrent extract that lists the prefix meanwhile treats such keys as this
+tool's own (pipeline/extract/claim.py `refuse_foreign_content`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.drafter.model import DFlashDrafter, DraftAttention, suffix_attention, window_start
+from pipeline.drafter.attention_rule import suffix_attention, window_start
+from pipeline.drafter.model import DFlashDrafter, DraftAttention
 
 
 class DraftContext:

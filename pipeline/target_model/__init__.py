@@ -2,12 +2,14 @@
 
 - facts.py: what a target directory is (config facts, digests, what it claims about a cache);
 - resolve.py: which target directory a command uses;
-- loading.py: its tokenizer, the whole model (optionally tensor-parallel), or only the frozen
-  embedding and lm_head;
+- loading.py: its tokenizer, the whole model (optionally tensor-parallel, with its plan), or only
+  the frozen embedding and lm_head;
 - taps.py: which layers are tapped and what a tap index means;
 - capture.py: one forward that returns the tapped hidden states and the target's predictions;
 - live.py: the target beside a drafter during speculative decoding (its caches, verification);
-- tensor_parallel.py: the tensor-parallel plan;
+- plain_rows.py: plain decoding of several prompts at once (generate's batches, eval's reference);
+- kernels.py: which kernels the linear-attention ops were bound to and which ran (the cache's
+  kernel provenance);
 - internals/: every use of transformers' internals (tree.py: the tree-verification patches;
   versions.py: one adapter per change between the supported transformers releases).
 

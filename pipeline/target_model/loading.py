@@ -1,5 +1,5 @@
-"""Loading the target: its tokenizer, the whole model (optionally tensor-parallel), or only its
-frozen embedding and lm_head (what training needs). Nothing is downloaded; transformers and torch
+"""Loading the target: its tokenizer, the whole model (optionally tensor-parallel, by the plan
+below), or only its frozen embedding and lm_head (what training needs). Nothing is downloaded; transformers and torch
 are imported inside the functions (heavy: `pipeline --help` and fact reading stay fast)."""
 
 from __future__ import annotations
@@ -53,12 +53,40 @@ def load_target(path: Path, *, dtype=None, **kwargs):
     return model.eval()
 
 
+# Tensor-parallel loading, with transformers' DistributedConfig. transformers' default plan for
+# qwen3_5 shards attention q/k/v column-wise by head, which fails when the KV heads do not divide
+# by the TP size (Qwen3.6-27B: 4 KV heads, TP 8). Our plan keeps the default for the MLP and the
+# Gated DeltaNet projections and replicates `self_attn` whenever the KV heads do not divide: the
+# full-attention layers are a quarter of the stack, so the extra memory is small and the result is
+# exact.
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def attention_plan(num_key_value_heads: int, tp: int) -> tuple[dict[str, str], str]:
+    """(plan overrides, one-line description for the manifest)."""
+    from pipeline.target_model.internals import replicated_style
+
+    if num_key_value_heads % tp == 0:
+        return {}, f"default (attention sharded by head: {num_key_value_heads} KV heads / tp {tp})"
+    overrides = {f"model.layers.*.self_attn.{part}": replicated_style() for part in ATTENTION_PARTS}
+    return overrides, f"self_attn replicated ({num_key_value_heads} KV heads do not divide by tp {tp})"
+
+
+def tp_load_kwargs(layout, num_key_value_heads: int) -> tuple[dict, str]:
+    """(from_pretrained's keyword arguments, the plan's description) for the tensor-parallel group
+    of `layout` (pipeline.distributed.Layout)."""
+    from pipeline.target_model.internals import distributed_config
+
+    overrides, description = attention_plan(num_key_value_heads, layout.tp)
+    config = distributed_config(layout.tp, layout.dp, overrides or "auto")
+    return {"distributed_config": config}, description
+
+
 def load_target_on_layout(target_dir: Path, dtype, device, layout, num_kv_heads: int):
     """(model, tensor-parallel plan description or None): whole on `device`, or split over the
     tensor-parallel group of `layout` (pipeline.distributed.Layout) when its tp > 1."""
     kwargs, plan = {}, None
     if layout.tp > 1:
-        from pipeline.target_model.tensor_parallel import tp_load_kwargs
         kwargs, plan = tp_load_kwargs(layout, num_kv_heads)
     model = load_target(target_dir, dtype=dtype, **kwargs)
     if layout.tp == 1:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from pipeline.embedded import EMBEDDED_DIR
-from pipeline.machine import describe_machine
+from pipeline.timing_machine import describe_machine
 from pipeline.toy import chat, tasks
 from pipeline.toy.generate import regenerate
 from pipeline.toy.model import tiny_config

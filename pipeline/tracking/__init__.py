@@ -15,6 +15,9 @@ Where each writes (all offline-capable; nothing needs a network unless the user 
 - wandb: $WANDB_MODE if set; else online when an API key is configured, offline (RUN/wandb,
   `wandb sync` later) when not.
 - trackio: trackio's local store ($TRACKIO_DIR, else trackio's default), project "dflash".
+
+This module chooses and feeds the trackers; backends.py holds one class per tracker, each through
+its own library.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.cache.schema import (HIDDEN, INPUT_IDS, LOSS_MASK, TARGET_ARGMAX, TARGET_LOGSUMEXP, TARGET_TOPK_IDS,
                                    TARGET_TOPK_LOGITS)
-from pipeline.drafter.model import block_mask
+from pipeline.drafter.attention_rule import block_mask
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.training.blocks import block_soft_targets, block_targets, block_tokens, sample_anchors
 from pipeline.training.objectives import weighted_ce, weighted_soft_kl

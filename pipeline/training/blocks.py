@@ -1,5 +1,5 @@
 """Anchors, block inputs and the loss targets (DESIGN 3.3, 3.4); the attention mask the blocks
-get is the drafter's own rule (pipeline/drafter/model.py: `block_mask`).
+get is the drafter's own rule (pipeline/drafter/attention_rule.py: `block_mask`).
 
 For a sequence of length T and sorted anchors a_1..a_A, the drafter sees A blocks of B slots:
 slot 0 holds the anchor token input_ids[a], slots 1..B-1 the mask token, at positions a..a+B-1.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.drafter.model import block_mask
+from pipeline.drafter.attention_rule import block_mask
 
 
 def valid_anchors(loss_mask_T: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pipeline.training.checkpoint import Position, unguarded, save_on_all_ranks
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
 from pipeline.training.stream import SampleStream, StreamState, read_ahead
-from pipeline.training.train_log import Interval, log_record
+from pipeline.training.log_line import Interval, log_record
 
 
 @dataclass

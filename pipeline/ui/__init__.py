@@ -2,7 +2,8 @@
 
 Progress bars and colour go to stderr and are off in JSON mode, so stdout stays parseable.
 This module holds the shared pieces (consoles, JSON, tables, messages, progress, the decoded
-sample); what each command prints at its end lives beside it, in stages/COMMAND/show.py.
+sample); options.py turns a dataclass's fields into a command's options; what each command
+prints at its end lives beside it, in stages/COMMAND/show.py.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
 from pipeline.records.eval_result import EvalResult, reference_key, variants_of
 from pipeline.records.run_dir import RunDir
-from pipeline.training.run_record import resolve_drafter, target_mismatch
+from pipeline.eval.drafter_source import resolve_drafter, target_mismatch
 from pipeline.eval.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError

@@ -14,8 +14,20 @@ from pathlib import Path
 from pipeline.data.conversations import iter_rows
 from pipeline.target_model import chat_template_sha256, load_target, load_tokenizer, read_target_facts
 from pipeline.data.self_agreement import self_agreement
-from pipeline.target_model.describe import layer_pattern
 from pipeline.target_model.taps import default_taps
+
+
+def layer_pattern(layer_types: list[str]) -> str:
+    """A target's layer pattern in a few words, for people: ['linear_attention'] * 3 +
+    ['full_attention'] -> 'linear x3, full'."""
+    runs: list[list] = []
+    for kind in layer_types:
+        short = kind.removesuffix("_attention")
+        if runs and runs[-1][0] == short:
+            runs[-1][1] += 1
+        else:
+            runs.append([short, 1])
+    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in runs)
 
 
 def target_summary(target_dir: Path, *, heldout: Path | None = None, build_report: Path | None = None,

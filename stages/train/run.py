@@ -6,7 +6,7 @@ of the shards, seed and epoch); rank r of W reads positions r, r+W, ..., so the 
 batch forms whatever W is; `pipeline.training.step` runs each step (global loss normalisation,
 micro-batches, DDP). This module resolves the configuration, builds the drafter and its optimizer
 from the cache and the target, and hands them to the loop (pipeline/training/loop.py), which logs
-(train_log.py) and checkpoints (checkpoint.py).
+(log_line.py) and checkpoints (checkpoint.py).
 
 Resume is exact: a checkpoint holds the drafter, optimizer, RNG and the data position (epoch,
 position); anchors come from (seed, epoch, sample id) and noise from (seed, step, sample id), so

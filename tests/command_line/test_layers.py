@@ -111,7 +111,7 @@ FLOORS = [
     # every package reads its settings; the settings import nothing of the library but its errors
     ("independent", ["pipeline.config"]),
     ("shared", ["pipeline.allocator", "pipeline.devices", "pipeline.distributed", "pipeline.embedded",
-                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.machine", "pipeline.schedule",
+                "pipeline.errors", "pipeline.faults", "pipeline.files", "pipeline.timing_machine", "pipeline.schedule",
                 "pipeline.sampler", "pipeline.threads",
                 "pipeline"]),
 ]

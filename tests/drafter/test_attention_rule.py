@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.drafter.model import (DFlashDrafter, DrafterConfig, block_mask, dense_attention, flex_attention,
-                                    split_block_attention)
+from pipeline.drafter.attention_rule import block_mask, dense_attention, flex_attention, split_block_attention
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 
 B = 4
 WINDOWS = [None, 3, 6, 11, 40]
@@ -116,7 +116,7 @@ def test_flex_attention_follows_the_rule(window):
 def test_a_block_longer_than_a_piece_is_split_one_anchor_a_piece():
     """A block of more than PIECE_QUERIES queries still splits (one anchor a piece, never zero)
     and equals the packed dense mask."""
-    from pipeline.drafter.model import PIECE_QUERIES
+    from pipeline.drafter.attention_rule import PIECE_QUERIES
     block, t = PIECE_QUERIES + 2, 12
     torch.manual_seed(3)
     anchors = torch.tensor([[3, 9]])

@@ -156,7 +156,7 @@ def test_export_round_trip_and_names(tmp_path):
 
 
 def test_the_attention_path_follows_the_request_and_the_device():
-    from pipeline.drafter.model import attention_path
+    from pipeline.drafter.attention_rule import attention_path
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert [attention_path("auto", cpu), attention_path("auto", cuda)] == ["split", "flex"]

@@ -174,4 +174,4 @@ def test_a_tensor_parallel_style_keeps_attention_whole():
     from pipeline.target_model.internals import replicated_style
 
     assert replicated_style() in ("replicate", "replicated_with_grad_allreduce"), fail(
-        "a tensor-parallel style that keeps a layer whole", "pipeline/target_model/tensor_parallel.py", replicated_style())
+        "a tensor-parallel style that keeps a layer whole", "pipeline/target_model/loading.py", replicated_style())

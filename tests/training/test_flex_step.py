@@ -1,6 +1,6 @@
 """Flex attention in training (issue 67), checked on the CPU against the split path.
 
-A GPU trains with flex attention and a BlockMask (pipeline/drafter/model.py); the CPU suite runs
+A GPU trains with flex attention and a BlockMask (pipeline/drafter/attention_rule.py); the CPU suite runs
 `split_block_attention`, which tests/drafter/test_attention_rule.py checks against the rule query
 by query. Here a whole training step (the drafter's loss over micro-batches of sequences of several
 lengths and anchor counts, backward, every parameter's gradient) with attention "flex" equals the
@@ -25,7 +25,8 @@ import torch._dynamo.testing
 from harness import loss_batches as lb
 from harness.flex_cpu_backward import flex_backward_on_cpu
 from pipeline.config import Data, Objective, Optimizer
-from pipeline.drafter.model import DFlashDrafter, DrafterConfig, _compiled_flex, flex_attention, split_block_attention
+from pipeline.drafter.attention_rule import _compiled_flex, flex_attention, split_block_attention
+from pipeline.drafter.model import DFlashDrafter, DrafterConfig
 from pipeline.training.batch import anchor_generator, prepare
 from pipeline.training.plan import Plan
 from pipeline.training.step import StepRunner
@@ -149,10 +150,10 @@ def test_a_static_compile_compiles_once_a_shape(monkeypatch):
     static shapes (`dynamic=False`, the code before issue 67) is one more graph for each new shape
     (the masks made eagerly here, to count the kernel alone)."""
     from torch.nn.attention import flex_attention as fa
-    from pipeline.drafter import model
+    from pipeline.drafter import attention_rule
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     static = (fa.create_block_mask, torch.compile(fa.flex_attention, dynamic=False, backend=counter))
-    monkeypatch.setattr(model, "_compiled_flex", lambda backend: static)
+    monkeypatch.setattr(attention_rule, "_compiled_flex", lambda backend: static)
     torch._dynamo.reset()
     frames = []
     with torch.no_grad():

@@ -95,7 +95,7 @@ def test_no_vocabulary_sized_tensor_is_kept_for_backward():
 def test_split_block_attention_equals_the_dense_mask_including_padding_blocks():
     """Every query's output (padding blocks too) from the anchors alone equals SDPA with the dense
     [Q, T+Q] mask, in fp32."""
-    from pipeline.drafter.model import block_mask
+    from pipeline.drafter.attention_rule import block_mask
 
     packed = batch(False, lengths=(57, 90, 8))
     assert bool((~packed.real_blocks).any())  # the pack has padding blocks (anchor 0)
@@ -115,7 +115,7 @@ def test_split_attention_in_pieces_equals_sdpa_with_the_mask(piece_anchors):
     the dense mask, padding blocks included."""
     import torch.nn.functional as F
 
-    from pipeline.drafter.model import block_mask, split_block_attention
+    from pipeline.drafter.attention_rule import block_mask, split_block_attention
 
     torch.manual_seed(0)
     s, h, t, d, a = 2, 3, 20, 8, 5

@@ -11,7 +11,7 @@ import pytest
 from pipeline.errors import PipelineError
 from pipeline.records.run import read_run_record
 from pipeline.report.logs import run_finished
-from pipeline.training.run_record import resolve_drafter
+from pipeline.eval.drafter_source import resolve_drafter
 
 
 def test_a_real_runs_record_reads_back_field_for_field(trained_run):

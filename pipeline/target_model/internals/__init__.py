@@ -1,5 +1,6 @@
-"""Every use of transformers' internals, in one module: what the project reads or patches
-beyond `from_pretrained`, a plain forward and the public config/tokenizer classes.
+"""Every use of transformers' internals, in one package (this module, tree.py and versions.py):
+what the project reads or patches beyond `from_pretrained`, a plain forward and the public
+config/tokenizer classes.
 
 - the qwen3_5 modeling module's linear-attention ops (kernel provenance reads which kernel each
   was bound to; extraction counts their calls; speculative decoding swaps the conv and the gated

@@ -2,6 +2,10 @@
 rehearsal, the embedded target's build report): the CPU's model, its cores, and whether it
 computes bfloat16 natively, as the kernel reports it (/proc/cpuinfo flags) and as torch sees it.
 
+In the library, not in harness/, for the one user the package ships: `python -m pipeline.toy.build`
+records the machine in the kit's build.json beside the build's times, and the package never imports
+harness/ (not installed; tests/command_line/test_layers.py). The benchmarks take it from here too.
+
 Why bf16 in particular: a CPU run in bf16 is an order of magnitude slower on a CPU without bf16
 instructions, which emulates them (the rehearsal test: 17 minutes with avx512_bf16, 82 without),
 so a wall time without the machine's bf16 support cannot be compared with another. Anything that

@@ -1,6 +1,7 @@
-"""The machine beside benchmark times (issue 57, item 5; pipeline/machine.py): the CPU's model and
-its bf16 flags as /proc/cpuinfo has them, read here independently (a regular expression over the
-whole file, every processor's flags), and the parser on hand-written files of both spellings."""
+"""The machine beside benchmark times (issue 57, item 5; pipeline/timing_machine.py): the CPU's
+model and its bf16 flags as /proc/cpuinfo has them, read here independently (a regular expression
+over the whole file, every processor's flags), and the parser on hand-written files of both
+spellings."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 
 
-from pipeline.machine import BF16_FLAGS, describe_machine, machine_line, read_cpuinfo
+from pipeline.timing_machine import BF16_FLAGS, describe_machine, machine_line, read_cpuinfo
 from harness.prerequisites import needs
 
 CPUINFO = Path("/proc/cpuinfo")
