@@ -123,6 +123,12 @@ MAPPING: dict[str, dict] = {
     } for name, section in (("structure", "structure,provenance"), ("selection", "selection"),
                             ("sample", "sample checks"), ("label", "labels"), ("chunk", "chunks"),
                             ("model", "model checks' parts,model checks with the target"))},
+    "pipeline/verify/tap_alignment.py": {
+        "group": "verify",
+        "tests": ["tests/verify/test_verify_mutation_guards.py#model checks' parts,model checks with the target",
+                  "tests/verify/test_verify.py", "tests/verify/test_projected_verify.py"],
+        "why": "the recompute's judge of where stored taps came from (whole and projected), moved out of model_checks",
+    },
     # -- training, data, drafter, eval ------------------------------------------------------------
     "pipeline/training/blocks.py": {
         "group": "training", "tests": ["tests/training/test_blocks.py", "tests/training/test_loss.py",

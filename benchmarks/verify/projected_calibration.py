@@ -4,7 +4,7 @@ against the planted faults, per hidden format and compute dtype, at two widths.
     python benchmarks/verify/projected_calibration.py [--widths embedded,synthetic] [--tokens 256]
         [--rank 2560] [--ulps 2]
 
-Each case runs pipeline.verify.model_checks.ProjectedAlignment, the class verify-cache runs, on
+Each case runs pipeline.verify.tap_alignment.ProjectedAlignment, the class verify-cache runs, on
 one sample: the stored rows (the taps as an extraction computed them, projected and encoded as a
 cache stores them) against the hidden states of a fresh forward (the check's compute dtype).
 
@@ -96,7 +96,7 @@ def planted(fault: str, extracted: torch.Tensor, taps: list[int], basis, other, 
 
 
 def judge(basis, taps, fresh: torch.Tensor, rows: torch.Tensor) -> dict:
-    from pipeline.verify.model_checks import ProjectedAlignment
+    from pipeline.verify.tap_alignment import ProjectedAlignment
 
     check = ProjectedAlignment(basis, taps)
     check.add(fresh, rows)

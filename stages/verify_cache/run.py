@@ -18,7 +18,8 @@ from pipeline.verify.check_report import Check
 from pipeline.verify.chunk_checks import check_chunks
 from pipeline.verify.label_checks import check_alignment
 from pipeline.cache.address import open_location
-from pipeline.verify.model_checks import (PROJECTED_TOLERANCE, check_recompute, check_tail, stratified_picks,
+from pipeline.verify.tap_alignment import PROJECTED_TOLERANCE
+from pipeline.verify.model_checks import (check_recompute, check_tail, stratified_picks,
                                           tail_unavailable)
 from pipeline.cache.reader import CacheReader
 from pipeline.verify.sample_checks import check_loss_masks, check_mask_boundaries

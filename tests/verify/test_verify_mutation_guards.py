@@ -971,7 +971,7 @@ def layered_states(layers: int = 5) -> torch.Tensor:
 
 
 def test_shifted_error_by_hand():
-    from pipeline.verify.model_checks import shifted_error
+    from pipeline.verify.tap_alignment import shifted_error
 
     stored, ref = torch.tensor([[1.0], [2.0], [3.0], [4.0]]), torch.tensor([[1.0], [2.0], [4.0], [8.0]])
     assert shifted_error(stored, ref, 0) == 4.0   # |4 - 8|
@@ -983,7 +983,7 @@ def test_shifted_error_by_hand():
 
 
 def test_tap_alignment_by_hand():
-    from pipeline.verify.model_checks import TapAlignment
+    from pipeline.verify.tap_alignment import TapAlignment
 
     states = layered_states()
     fresh = TapAlignment([1, 2])
@@ -1013,7 +1013,7 @@ def test_tap_alignment_by_hand():
 
 
 def test_relative_error_against_an_all_zero_tap_uses_the_floor():
-    from pipeline.verify.model_checks import TapAlignment
+    from pipeline.verify.tap_alignment import TapAlignment
 
     states = torch.zeros(3, 2, 2)
     check = TapAlignment([0])
@@ -1034,7 +1034,7 @@ def first_coordinates_basis(n_taps: int, width: int):
 def test_projected_alignment_by_hand():
     """Each component is coordinate 0 of one tap (unit scales), so a row's rounding-scaled error is
     (z - ref) / |x| coordinate by coordinate, and every hypothesis can be worked out by hand."""
-    from pipeline.verify.model_checks import ProjectedAlignment
+    from pipeline.verify.tap_alignment import ProjectedAlignment
 
     states, basis = layered_states(), first_coordinates_basis(2, 2)
     s = [0.0, 3.0, 1.0, 2.0]
@@ -1086,7 +1086,7 @@ def test_projected_alignment_by_hand():
 
 
 def test_projected_candidates_stop_at_the_models_layers():
-    from pipeline.verify.model_checks import ProjectedAlignment
+    from pipeline.verify.tap_alignment import ProjectedAlignment
 
     states, basis = layered_states(layers=5), first_coordinates_basis(2, 2)
     check = ProjectedAlignment(basis, [0, 3])
