@@ -32,6 +32,7 @@ from pipeline.drafter.config import SLIDING, DrafterConfig
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.errors import PipelineError
+from pipeline.files import fsync_dir, fsync_tree
 
 # The tensors a draft vocabulary adds to model.safetensors (outside the module's state_dict).
 HEAD_TENSORS = ("lm_head.weight", "d2t", "t2d")
@@ -86,15 +87,19 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     if c.tap_projection is not None:
         config["tap_projection"] = c.tap_projection
         config["tap_projection_energy"] = c.tap_projection_energy
+    # The two files are written into a temporary folder renamed into place, not each replaced on
+    # its own: a crash between the two would pair a new config with old weights.
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    fsync_tree(tmp)
     if out.exists():
         for p in out.iterdir():
             p.unlink()
         out.rmdir()
     os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 def _folded_fc(drafter: DFlashDrafter, basis) -> torch.Tensor:
