@@ -7,7 +7,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
+import threading
 from pathlib import Path
+from typing import Iterable
 
 from pipeline.errors import PipelineError
 from pipeline.faults import failpoint
@@ -41,20 +44,61 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data) -> None:
-    """Write to a temporary, fsync, rename: readers see the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+# A temporary's name: hidden, beside its target (a rename is atomic only within one filesystem),
+# unique per process and thread (threads of one process may write the same target at once).
+# A cache directory's listing skips these names and a local copy removes them when it opens; a
+# bare `.tmp-PID` is the form earlier versions wrote, still recognised.
+_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.tmp-\d+(?:-\d+)?$")
+
+
+def temporary_for(path: Path) -> Path:
+    """Where `write_atomic` writes `path` before renaming it: `.NAME.tmp-PID-THREAD`."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
+
+
+def temporary_target(name: str) -> str | None:
+    """The file name a temporary of `write_atomic` was to become; None for any other name."""
+    found = _TEMPORARY.match(name)
+    return found.group("target") if found else None
+
+
+def write_synced(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Create (or truncate) `path` with `data`, flushed and fsynced before returning: its bytes
+    are on the disk, though its name may not be until its directory is fsynced. An iterable of
+    blocks is written as it is produced (a download, say), never held whole."""
+    with open(path, "wb") as f:
+        for block in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Replace `path` with `data` so that readers, and the disk after a crash or a power loss,
+    see the old file or the whole new one, never a part: written to a temporary beside it and
+    fsynced, renamed over it, then the directory fsynced so that the rename itself is durable.
+    A failure before the rename (an OSError, or an exception from the iterable) removes the
+    temporary and propagates with `path` untouched; a kill leaves at most the temporary, whose
+    name `temporary_target` recognises."""
+    path = Path(path)
+    tmp = temporary_for(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        failpoint("json.written")
+        write_synced(tmp, data)
+        failpoint("atomic.synced")
         os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as e:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """`write_atomic` of `data` as indented JSON with sorted keys and a final newline; a failed
+    write is one PipelineError naming the file and the reason."""
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    try:
+        write_atomic(path, text.encode("utf-8"))
+    except OSError as e:
         raise PipelineError(f"{path}: write failed ({describe_os_error(e)}); the previous version is intact") from None
 
 

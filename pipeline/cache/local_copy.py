@@ -1,24 +1,26 @@
 """A bounded local disk cache of a remote cache's files (`pipeline train --cache-local DIR`).
 
 Training reads every file of a remote cache once per epoch. With `--cache-local DIR --cache-local-size
-BYTES`, the first read of a file downloads it whole into DIR (streamed to a temporary, then
-renamed, so a copy is complete or absent), later reads of its byte ranges are local preads, and
-the least recently used copies are deleted when the total would pass the size. A file larger
-than the whole budget is never copied (read by range as without the cache). Copies are checked
-against the size in the cache's listing, and every chunk read from them is still CRC32C-checked
-by the reader. The directory is keyed by the cache's URL, so two caches never share copies.
+BYTES`, the first read of a file downloads it whole into DIR (streamed to a temporary, fsynced,
+then renamed: a copy is complete or absent, after a power loss too, since a later run reuses
+it), later reads of its byte ranges are local preads, and the least recently used copies are
+deleted when the total would pass the size. A file larger than the whole budget is never copied
+(read by range as without the cache). Copies are checked against the size in the cache's
+listing, and every chunk read from them is still CRC32C-checked by the reader. The directory is
+keyed by the cache's URL, so two caches never share copies.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Iterator
 
 from pipeline.cache.location import LocalLocation, Location
 from pipeline.errors import PipelineError
+from pipeline.files import temporary_target, write_atomic
 
 
 class LocalCopies(Location):
@@ -40,7 +42,7 @@ class LocalCopies(Location):
         # Copies left by an earlier run count against the budget, oldest first.
         found = [p for p in self.dir.rglob("*") if p.is_file()]
         for p in found:
-            if ".part-" in p.name:
+            if temporary_target(p.name) is not None or ".part-" in p.name:  # (.part-: earlier versions' name)
                 p.unlink(missing_ok=True)  # a download that was cut short
         self.copies: OrderedDict[str, int] = OrderedDict(
             (p.relative_to(self.dir).as_posix(), p.stat().st_size)
@@ -72,25 +74,25 @@ class LocalCopies(Location):
                 return False
             self._evict(self.max_bytes - size)
         path = self.dir / key
-        tmp = path.with_name(f"{path.name}.part-{os.getpid()}-{threading.get_ident()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            written = 0
-            with open(tmp, "wb") as f:
-                for block in self.inner.stream(key):
-                    f.write(block)
-                    written += len(block)
-            if written != size:
-                raise PipelineError(f"{self.inner.where(key)}: read {written} bytes, the listing says {size}")
-            os.replace(tmp, path)
+            write_atomic(path, self._download(key, size))
         except OSError:
             return False  # the local disk is full or gone: read this file remotely instead
-        finally:
-            tmp.unlink(missing_ok=True)
         with self._lock:
             self.copies[key] = size
             self.misses += 1
         return True
+
+    def _download(self, key: str, size: int) -> Iterator[bytes]:
+        """The remote file's blocks; raising after the last one when they do not add up to the
+        listing's size, so that the short copy is never renamed into place."""
+        written = 0
+        for block in self.inner.stream(key):
+            written += len(block)
+            yield block
+        if written != size:
+            raise PipelineError(f"{self.inner.where(key)}: read {written} bytes, the listing says {size}")
 
     def _evict(self, budget: int) -> None:
         """Delete least recently used copies until they total at most `budget` bytes."""

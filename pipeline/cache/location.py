@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.files import describe_os_error, fsync_dir
+from pipeline.files import describe_os_error, fsync_dir, temporary_for, temporary_target, write_synced
 from pipeline.errors import PipelineError
 
 STREAM_BLOCK = 1 << 22
@@ -140,10 +140,10 @@ class LocalLocation(Location):
         """A hard link of a finished temporary: atomic, and refused when the name exists, on
         every POSIX filesystem including NFS (no flock involved)."""
         path = self.path(key)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = temporary_for(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_synced(tmp, data)
+            write_synced(tmp, data)
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -155,18 +155,11 @@ class LocalLocation(Location):
         finally:
             tmp.unlink(missing_ok=True)
 
-    @staticmethod
-    def _write_synced(path: Path, data: bytes) -> None:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-
     def listing(self, prefix: str = "") -> dict[str, int]:
         """Regular files only: a cache is untrusted input, so a symbolic link (to /dev/zero,
         outside the cache) or any other special entry is never followed nor listed; it is noted
         in `refused` (key -> why) for the shard that holds it to be reported. Temporaries of
-        small-file writes ('.name.tmp-PID') are not objects."""
+        small-file writes (pipeline.files.temporary_for) are not objects."""
         base = self.path(prefix.rstrip("/"))
         found: dict[str, int] = {}
         if base.is_symlink():
@@ -176,7 +169,7 @@ class LocalLocation(Location):
             return found
         for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
             for name in dirnames + filenames:
-                if name in filenames and name.startswith(".") and ".tmp-" in name:
+                if name in filenames and temporary_target(name) is not None:
                     continue                  # another writer's temporary: it may be renamed away while we look
                 path = Path(dirpath) / name
                 key = path.relative_to(self.root).as_posix()

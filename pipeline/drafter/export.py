@@ -32,6 +32,26 @@ from pipeline.drafter.config import SLIDING, DrafterConfig
 from pipeline.drafter.model import DFlashDrafter
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.errors import PipelineError
+from pipeline.files import fsync_dir, fsync_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportDir:
+    """An export's files, named here once: the names the reference and the serving engines load
+    (DESIGN 8), which checkpoints (each holds an export of its drafter) and eval read through this."""
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "model.safetensors"
+
 
 # The tensors a draft vocabulary adds to model.safetensors (outside the module's state_dict).
 HEAD_TENSORS = ("lm_head.weight", "d2t", "t2d")
@@ -86,15 +106,20 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     if c.tap_projection is not None:
         config["tap_projection"] = c.tap_projection
         config["tap_projection_energy"] = c.tap_projection_energy
+    # The two files are written into a temporary folder renamed into place, not each replaced on
+    # its own: a crash between the two would pair a new config with old weights.
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    written = ExportDir(tmp)
+    save_file(state, str(written.weights), metadata={"format": "pt"})
+    written.config.write_text(json.dumps(config, indent=2) + "\n")
+    fsync_tree(tmp)
     if out.exists():
         for p in out.iterdir():
             p.unlink()
         out.rmdir()
     os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 def _folded_fc(drafter: DFlashDrafter, basis) -> torch.Tensor:
@@ -123,8 +148,9 @@ def _dflash_config(c: DrafterConfig) -> dict:
 def read_config(path: Path) -> DrafterConfig:
     """The drafter config of an export, read as transformers' Qwen3Config reads it: the window
     counts only with `use_sliding_window`, and without `layer_types` every layer is full."""
+    config_file = ExportDir(path).config
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads(config_file.read_text())
         dflash = raw["dflash_config"]
         theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return DrafterConfig(**{k: raw[k] for k in CONFIG_KEYS}, rope_theta=float(theta),
@@ -137,9 +163,9 @@ def read_config(path: Path) -> DrafterConfig:
                              draft_vocab_size=_draft_vocab_size(raw), tap_projection=raw.get("tap_projection"),
                              tap_projection_energy=bool(raw.get("tap_projection_energy", False)))
     except FileNotFoundError:
-        raise PipelineError(f"{path}: no config.json") from None
+        raise PipelineError(f"{path}: no {config_file.name}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
-        raise PipelineError(f"{path}/config.json: not a DFlash drafter config ({type(e).__name__}: {e})") from None
+        raise PipelineError(f"{config_file}: not a DFlash drafter config ({type(e).__name__}: {e})") from None
 
 
 def _draft_vocab_size(raw: dict) -> int | None:
@@ -151,17 +177,18 @@ def _draft_vocab_size(raw: dict) -> int | None:
 
 def split_head(state: dict, path: Path, vocab_size: int) -> tuple[dict, DraftVocab | None, torch.Tensor | None]:
     """(the module's state, the draft vocabulary, the head's rows) of an export's tensors."""
+    weights = ExportDir(path).weights
     head = {k: state.pop(k) for k in HEAD_TENSORS if k in state}
     if not head:
         return state, None, None
     if "d2t" not in head or "lm_head.weight" not in head:
-        raise PipelineError(f"{path}/model.safetensors: a draft vocabulary needs both d2t and lm_head.weight")
+        raise PipelineError(f"{weights}: a draft vocabulary needs both d2t and lm_head.weight")
     try:
         vocab = DraftVocab.from_d2t(head["d2t"], vocab_size)
     except PipelineError as e:
-        raise PipelineError(f"{path}/model.safetensors: d2t: {e}") from None
+        raise PipelineError(f"{weights}: d2t: {e}") from None
     if "t2d" in head and not torch.equal(head["t2d"].bool(), vocab.t2d()):
-        raise PipelineError(f"{path}/model.safetensors: t2d does not mark the ids d2t maps to")
+        raise PipelineError(f"{weights}: t2d does not mark the ids d2t maps to")
     return state, vocab, head["lm_head.weight"]
 
 
@@ -170,29 +197,30 @@ def load_drafter(path: Path, *, embed: torch.nn.Embedding, lm_head: torch.nn.Lin
     head is built from `lm_head`'s rows, as in training; the export's copy of them (what a serving
     engine loads) must be those rows at the coarser of the two precisions, or the target is another
     one."""
+    files = ExportDir(path)
     config = read_config(path)
-    state, vocab, rows = split_head(load_file(str(path / "model.safetensors")), path, config.vocab_size)
+    state, vocab, rows = split_head(load_file(str(files.weights)), path, config.vocab_size)
     if vocab is None and config.draft_vocab_size == config.vocab_size:  # another writer's "whole vocabulary"
         config.draft_vocab_size = None
     if (vocab is None) != (config.draft_vocab_size is None) or (vocab and vocab.size != config.draft_vocab_size):
-        raise PipelineError(f"{path}: config.json draft_vocab_size {config.draft_vocab_size} does not match "
-                            f"model.safetensors ({'no d2t' if vocab is None else f'{vocab.size} draft ids'})")
+        raise PipelineError(f"{path}: {files.config.name} draft_vocab_size {config.draft_vocab_size} does not match "
+                            f"{files.weights.name} ({'no d2t' if vocab is None else f'{vocab.size} draft ids'})")
     drafter = DFlashDrafter(config, embed=embed, lm_head=lm_head, draft_vocab=vocab)
     if rows is not None:
         if tuple(rows.shape) != tuple(drafter.lm_head_weight.shape):
-            raise PipelineError(f"{path}/model.safetensors: lm_head.weight has shape {tuple(rows.shape)}, "
+            raise PipelineError(f"{files.weights}: lm_head.weight has shape {tuple(rows.shape)}, "
                                 f"expected {tuple(drafter.lm_head_weight.shape)}")
         # At the coarser of the two precisions: an fp32 run's export is evaluated in bf16, say.
         coarse = max(rows.dtype, drafter.lm_head_weight.dtype, key=lambda d: torch.finfo(d).eps)
         if not torch.equal(rows.to(coarse), drafter.lm_head_weight.detach().to("cpu", coarse)):
-            raise PipelineError(f"{path}/model.safetensors: lm_head.weight is not the target's lm_head rows the "
+            raise PipelineError(f"{files.weights}: lm_head.weight is not the target's lm_head rows the "
                                 "d2t names: this drafter was trained against another target")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if got != expected:
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
-        raise PipelineError(f"{path}/model.safetensors: does not match its config "
+        raise PipelineError(f"{files.weights}: does not match its config "
                             f"(missing {missing[:3]}, unexpected {extra[:3]}, wrong shape {wrong[:3]})")
     drafter.load_state_dict(state)
     return drafter

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.drafter.export import ExportDir
 from pipeline.errors import PipelineError
 from pipeline.provenance import weight_digests
 from pipeline.records.run import read_run_record
@@ -37,10 +38,11 @@ def target_mismatch(target_dir: Path, run: Path) -> str | None:
 def resolve_drafter(path: Path) -> tuple[Path, RecordedTarget | None]:
     """(drafter export dir, the target its training run recorded): accepts RUN/ or RUN/drafter/."""
     path = Path(path)
-    if (RunDir(path).drafter / "config.json").is_file():
+    if ExportDir(RunDir(path).drafter).config.is_file():
         path = RunDir(path).drafter
-    if not (path / "config.json").is_file():
-        raise PipelineError(f"{path}: not a drafter export (no config.json); pass the run directory or its drafter/")
+    config = ExportDir(path).config
+    if not config.is_file():
+        raise PipelineError(f"{path}: not a drafter export (no {config.name}); pass the run directory or its drafter/")
     run = RunDir.holding(path).run_record
     recorded = None
     if run.is_file():

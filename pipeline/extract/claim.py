@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from pipeline.cache.commit import shard_committed
-from pipeline.files import FileLock
+from pipeline.files import FileLock, temporary_target
 from pipeline.cache.location import Location
 from pipeline.cache.schema import BASIS, MANIFEST, shard_lock_name, shard_name
 from pipeline.cache.store_probe import PROBE_KEY
@@ -41,8 +41,8 @@ def _ours(key: str) -> bool:
     the manifest, another extract's store probe (pipeline/cache/store_probe.py) or its temporary."""
     if re.fullmatch(r"\.shard-\d{5}\.lock", key):
         return True
-    written = re.sub(r"^\.(.+)\.tmp-\d+$", r"\1", key)  # a directory's temporary: .NAME.tmp-PID
-    return written == MANIFEST and written != key or bool(PROBE_KEY.fullmatch(written))
+    written = temporary_target(key)  # a directory's temporary (pipeline.files.temporary_for)
+    return written == MANIFEST or bool(PROBE_KEY.fullmatch(written or key))
 
 
 def claim_shard(location: Location, shard: int, layout: Layout, locks: bool) -> tuple[str, FileLock | None]:

@@ -14,29 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.files import write_atomic
 from pipeline.provenance import sha256_file
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 class Parts:
@@ -65,7 +47,7 @@ class Parts:
                 raise PipelineError(f"{self.dir}: made with another {field} ({_short(then)} then, {_short(now)} now); "
                                     "resume with the same data and settings, or choose another --out")
             return
-        _atomic_write(existing, json.dumps(plan, indent=1, sort_keys=True).encode())
+        write_atomic(existing, json.dumps(plan, indent=1, sort_keys=True).encode())
 
     def shard_path(self, shard: int) -> Path:
         return self.dir / f"shard-{shard:05d}.jsonl"
@@ -84,9 +66,9 @@ class Parts:
 
     def write(self, shard: int, rows: list[dict], record: dict) -> dict:
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
-        _atomic_write(self.shard_path(shard), data)
+        write_atomic(self.shard_path(shard), data)
         record = {**record, "shard": shard, "rows_written": len(rows), "sha256": hashlib.sha256(data).hexdigest()}
-        _atomic_write(self.shard_path(shard).with_suffix(".json"), json.dumps(record, indent=1, sort_keys=True).encode())
+        write_atomic(self.shard_path(shard).with_suffix(".json"), json.dumps(record, indent=1, sort_keys=True).encode())
         return record
 
     def assemble(self, num_shards: int) -> bool:
@@ -102,9 +84,9 @@ class Parts:
             data = b"".join(self.shard_path(s).read_bytes() for s in range(num_shards))
         except FileNotFoundError:   # another process assembled and cleared the shards meanwhile
             return self.complete()
-        _atomic_write(self.out, data)
+        write_atomic(self.out, data)
         record = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "num_shards": num_shards}
-        _atomic_write(self.dir / "complete.json", json.dumps(record, indent=1, sort_keys=True).encode())
+        write_atomic(self.dir / "complete.json", json.dumps(record, indent=1, sort_keys=True).encode())
         for s in range(num_shards):
             self.shard_path(s).unlink(missing_ok=True)
             self.shard_path(s).with_suffix(".json").unlink(missing_ok=True)

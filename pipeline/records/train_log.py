@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.files import write_atomic
 
 TERM_PREFIX = "loss_"     # each term of a composite objective is logged as loss_<term>
 
@@ -152,6 +152,4 @@ def trim_to_step(path: Path, step: int) -> None:
                 kept.append(text_line)
         except json.JSONDecodeError:
             break  # a torn last line from a killed run
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(x + "\n" for x in kept).encode("utf-8"))

@@ -22,7 +22,7 @@ from pipeline.files import describe_os_error, fsync_dir, fsync_tree
 from pipeline.cache.manifest import Manifest
 from pipeline.config import TrainConfig
 from pipeline.config.tables import flat_record
-from pipeline.drafter.export import export_drafter, read_config, split_head
+from pipeline.drafter.export import ExportDir, export_drafter, read_config, split_head
 from pipeline.drafter.vocab import DraftVocab
 from pipeline.training.plan import gathered_state
 from pipeline.training.step import all_sum
@@ -125,13 +125,14 @@ def load_checkpoint(path: Path, *, drafter, optimizer) -> None:
     from safetensors.torch import load_file
 
     saved_dir = CheckpointDir(path)
+    export = ExportDir(saved_dir.drafter)
     saved = read_config(saved_dir.drafter)
     if saved != drafter.config:
-        raise PipelineError(f"{saved_dir.drafter}/config.json: the checkpoint's drafter does not match this run's config")
+        raise PipelineError(f"{export.config}: the checkpoint's drafter does not match this run's config")
     try:
-        weights = load_file(str(saved_dir.drafter / "model.safetensors"))
+        weights = load_file(str(export.weights))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
-        raise PipelineError(f"{saved_dir.drafter}/model.safetensors: unreadable ({e}); delete this checkpoint "
+        raise PipelineError(f"{export.weights}: unreadable ({e}); delete this checkpoint "
                             "to resume from the one before it") from None
     weights, vocab, _ = split_head(weights, saved_dir.drafter, drafter.config.vocab_size)
     if vocab != drafter.draft_vocab:  # part of the run's identity (DESIGN 3.4)
@@ -139,7 +140,7 @@ def load_checkpoint(path: Path, *, drafter, optimizer) -> None:
                             f"({drafter.draft_vocab or 'none'}); use the same options and cache, or a new --out")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     if {k: tuple(v.shape) for k, v in weights.items()} != expected:
-        raise PipelineError(f"{saved_dir.drafter}/model.safetensors: names or shapes differ from this run's drafter")
+        raise PipelineError(f"{export.weights}: names or shapes differ from this run's drafter")
     drafter.load_state_dict(weights)
     try:
         # Mapped, not read: with several ranks each keeps only the state of the parameters it
@@ -202,7 +203,7 @@ def saved_draft_vocab(path: Path, vocab_size: int) -> DraftVocab | None:
     only that tensor is read."""
     from safetensors import safe_open
 
-    weights = CheckpointDir(path).drafter / "model.safetensors"
+    weights = ExportDir(CheckpointDir(path).drafter).weights
     try:
         with safe_open(str(weights), framework="pt") as f:
             d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
