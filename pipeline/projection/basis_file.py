@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
