@@ -37,7 +37,7 @@ def _status(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def child(dim: int, method: str, rank: int) -> dict:
+def child(dim: int, method: str, projected_rank: int) -> dict:
     import torch
 
     from pipeline.projection.basis import SecondMoment, fit_basis
@@ -50,15 +50,15 @@ def child(dim: int, method: str, rank: int) -> dict:
     start = time.perf_counter()
     if method == "before":  # the fit before issue 77: all eigenpairs, then the rows flipped (a copy)
         values, vectors = torch.linalg.eigh(moment)
-        rows = vectors.T.flip(0)[:rank].contiguous()
+        rows = vectors.T.flip(0)[:projected_rank].contiguous()
         del values, vectors, rows
     else:
         m = SecondMoment(dim)
         m.tokens, m.sum = dim + 1, moment  # a pilot wider than the taps: the moment path
         del moment
-        fit_basis(m, rank)
+        fit_basis(m, projected_rank)
     seconds = time.perf_counter() - start
-    return {"dim": dim, "method": method, "rank": rank, "moment_bytes": dim * dim * 8,
+    return {"dim": dim, "method": method, "rank": projected_rank, "moment_bytes": dim * dim * 8,
             "peak_above_moment_bytes": _status("VmHWM") - held, "seconds": round(seconds, 1)}
 
 
@@ -80,11 +80,11 @@ def main() -> None:
     rows = []
     for dim in positive_ints(p, "--dims", args.dims):
         for method in methods:
-            rank = max(1, int(dim * args.rank_fraction))
-            done = subprocess.run([sys.executable, __file__, "--child", str(dim), method, str(rank)], cwd=REPO,
+            projected_rank = max(1, int(dim * args.rank_fraction))
+            done = subprocess.run([sys.executable, __file__, "--child", str(dim), method, str(projected_rank)], cwd=REPO,
                                   capture_output=True, text=True)
             if done.returncode != 0:
-                rows.append({"dim": dim, "method": method, "rank": rank, "error": done.stderr.strip().splitlines()[-1:]})
+                rows.append({"dim": dim, "method": method, "rank": projected_rank, "error": done.stderr.strip().splitlines()[-1:]})
             else:
                 rows.append(json.loads(done.stdout))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

@@ -73,37 +73,37 @@ def ensure_data(work: Path, rows: int) -> Path:
     return data
 
 
-def ensure_cache(work: Path, data: Path, fmt: str, rank, args) -> dict:
-    """The cache of (fmt, rank), extracted unless complete; {cache, energy, rank, extract_s}."""
-    cache = work / f"cache-{fmt}-{rank}"
-    info_file = work / f"cache-{fmt}-{rank}.json"
+def ensure_cache(work: Path, data: Path, fmt: str, projected_rank, args) -> dict:
+    """The cache of (fmt, projected_rank), extracted unless complete; {cache, energy, rank (R or "full"), extract_s}."""
+    cache = work / f"cache-{fmt}-{projected_rank}"
+    info_file = work / f"cache-{fmt}-{projected_rank}.json"
     if info_file.is_file():
         return json.loads(info_file.read_text())
     start = time.perf_counter()
     _cli("extract", "--data", str(data), "--cache", str(cache), "--num-shards", str(args.shards), "--hidden-format", fmt,
-         *([] if rank == FULL else ["--project-taps", str(rank), "--pilot-tokens", str(args.pilot_tokens)]), "--json")
+         *([] if projected_rank == FULL else ["--project-taps", str(projected_rank), "--pilot-tokens", str(args.pilot_tokens)]), "--json")
     extract_s = time.perf_counter() - start
-    ranks = [r for r in args.ranks if r != FULL] if rank == FULL else []
+    projected_ranks = [r for r in args.ranks if r != FULL] if projected_rank == FULL else []
     doc = json.loads(_cli("cache-info", str(cache), "--json",
-                          *(["--energy", ",".join(map(str, ranks)), "--energy-tokens", str(args.pilot_tokens)]
-                            if ranks else [])).stdout)
+                          *(["--energy", ",".join(map(str, projected_ranks)), "--energy-tokens", str(args.pilot_tokens)]
+                            if projected_ranks else [])).stdout)
     projection = doc["identity"]["capture"].get("projection")
-    info = {"cache": str(cache), "rank": rank, "format": fmt, "extract_s": round(extract_s, 1),
+    info = {"cache": str(cache), "rank": projected_rank, "format": fmt, "extract_s": round(extract_s, 1),
             "tokens": doc["counts"]["tokens"], "stored_bytes": doc["bytes"]["stored"],
             "energy": 1.0 if projection is None else projection["energy"],
             "pilot_tokens": None if projection is None else projection["pilot_tokens"]}
-    if ranks:
+    if projected_ranks:
         info["cache_info_energy"] = doc.get("energy")
     info_file.write_text(json.dumps(info, indent=2) + "\n")
-    _log(f"cache {fmt} R={rank}: {json.dumps(info)}")
+    _log(f"cache {fmt} R={projected_rank}: {json.dumps(info)}")
     return info
 
 
-def ensure_result(work: Path, cache: dict, fmt: str, rank, seed: int, args) -> dict:
-    """Train and eval (fmt, rank, seed) unless its result exists."""
+def ensure_result(work: Path, cache: dict, fmt: str, projected_rank, seed: int, args) -> dict:
+    """Train and eval (fmt, projected_rank, seed) unless its result exists."""
     from pipeline.records.eval_result import variants_in
 
-    name = f"{fmt}-{rank}" if rank == FULL else f"{fmt}-{rank}-{args.projected_fc}"
+    name = f"{fmt}-{projected_rank}" if projected_rank == FULL else f"{fmt}-{projected_rank}-{args.projected_fc}"
     out = work / f"result-{name}-s{seed}.json"
     settings = {"steps": args.steps, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                 "tree_budget": args.tree_budget, "pilot_tokens": args.pilot_tokens, "rows": args.rows, "shards": args.shards}
@@ -115,7 +115,7 @@ def ensure_result(work: Path, cache: dict, fmt: str, rank, seed: int, args) -> d
     run = work / f"run-{name}-s{seed}"
     start = time.perf_counter()
     _cli("train", "--cache", cache["cache"], "--out", str(run), "--max-steps", str(args.steps), "--log-every", "10",
-         "--seed", str(seed), *([] if rank == FULL else ["--projected-fc", args.projected_fc]))
+         "--seed", str(seed), *([] if projected_rank == FULL else ["--projected-fc", args.projected_fc]))
     train_s = time.perf_counter() - start
     start = time.perf_counter()
     ev = json.loads(_cli("eval", "--drafter", str(run), "--limit", str(args.prompts), "--max-new-tokens",
@@ -125,11 +125,11 @@ def ensure_result(work: Path, cache: dict, fmt: str, rank, seed: int, args) -> d
     (work / f"eval-{name}-s{seed}.json").write_text(json.dumps(ev, indent=2) + "\n")
     last = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])
     taus = {v.name: round(float(figures["tau_pooled"]), 4) for v, figures in variants_in(ev, strict=True)}
-    result = {"format": fmt, "rank": rank, "projected_fc": None if rank == FULL else args.projected_fc, "seed": seed, "settings": settings, "energy": cache["energy"], "tau": taus,
+    result = {"format": fmt, "rank": projected_rank, "projected_fc": None if projected_rank == FULL else args.projected_fc, "seed": seed, "settings": settings, "energy": cache["energy"], "tau": taus,
               "lossless": ev["lossless"], "prompts": ev["prompts"], "loss_last_log": last.get("loss"),
               "accuracy_last_log": last.get("accuracy"), "train_s": round(train_s, 1), "eval_s": round(eval_s, 1)}
     out.write_text(json.dumps(result, indent=2) + "\n")
-    _log(f"result {fmt} R={rank} seed {seed}: {json.dumps(result)}")
+    _log(f"result {fmt} R={projected_rank} seed {seed}: {json.dumps(result)}")
     return result
 
 
@@ -139,10 +139,10 @@ def _mean(values: list[float]) -> float:
 
 def summarise(rows_by_config: dict, caches: dict, args) -> list[dict]:
     table = []
-    for (fmt, rank), results in rows_by_config.items():
+    for (fmt, projected_rank), results in rows_by_config.items():
         results = sorted(results, key=lambda r: r["seed"])
         names = list(results[0]["tau"])
-        row = {"format": fmt, "rank": rank, "energy": round(caches[fmt, rank]["energy"], 4),
+        row = {"format": fmt, "rank": projected_rank, "energy": round(caches[fmt, projected_rank]["energy"], 4),
                "seeds": [r["seed"] for r in results],
                "tau_mean": {n: _mean([r["tau"][n] for r in results]) for n in names},
                "tau_per_seed": {n: [r["tau"][n] for r in results] for n in names},
@@ -223,8 +223,9 @@ def main() -> None:
     if set(args.formats.split(",")) - {"bf16", "fp8"} or not args.formats:
         p.error(f"--formats takes bf16 and fp8, got {args.formats!r}")
     args.formats = args.formats.split(",")
-    ranks = [r for r in args.ranks.split(",") if r != FULL]
-    args.ranks = ([FULL] if FULL in args.ranks.split(",") else []) + (positive_ints(p, "--ranks", ",".join(ranks)) if ranks else [])
+    projected_ranks = [r for r in args.ranks.split(",") if r != FULL]
+    args.ranks = ([FULL] if FULL in args.ranks.split(",") else []) + \
+        (positive_ints(p, "--ranks", ",".join(projected_ranks)) if projected_ranks else [])
     args.seeds = seeds(p, "--seeds", args.seeds)
     args.extra_seeds = seeds(p, "--extra-seeds", args.extra_seeds) if args.extra_seeds else []
     args.tree_budget = positive_ints(p, "--tree-budget", args.tree_budget)
@@ -236,15 +237,16 @@ def main() -> None:
     data = ensure_data(work, args.rows)
     caches, results = {}, {}
     for fmt in args.formats:
-        for rank in args.ranks:
-            caches[fmt, rank] = ensure_cache(work, data, fmt, rank, args)
+        for projected_rank in args.ranks:
+            caches[fmt, projected_rank] = ensure_cache(work, data, fmt, projected_rank, args)
             for seed in args.seeds:
-                results.setdefault((fmt, rank), []).append(ensure_result(work, caches[fmt, rank], fmt, rank, seed, args))
+                results.setdefault((fmt, projected_rank), []).append(
+                    ensure_result(work, caches[fmt, projected_rank], fmt, projected_rank, seed, args))
     extra = sorted(second_round(summarise(results, caches, args), args), key=lambda c: (c[0], str(c[1])))
-    for fmt, rank in extra:
+    for fmt, projected_rank in extra:
         for seed in args.extra_seeds:
             if seed not in args.seeds:
-                results[fmt, rank].append(ensure_result(work, caches[fmt, rank], fmt, rank, seed, args))
+                results[fmt, projected_rank].append(ensure_result(work, caches[fmt, projected_rank], fmt, projected_rank, seed, args))
     table = summarise(results, caches, args)
     doc = {"benchmark": "projected_tau", "projected_fc": args.projected_fc, "rows": args.rows, "shards": args.shards, "pilot_tokens": args.pilot_tokens,
            "steps": args.steps, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,

@@ -67,12 +67,12 @@ def synthetic_states(layers: int, tokens: int, hidden: int, seed: int) -> torch.
     return states
 
 
-def fitted_basis(pilot_taps: torch.Tensor, rank: int):
+def fitted_basis(pilot_taps: torch.Tensor, projected_rank: int):
     from pipeline.projection.basis import SecondMoment, fit_basis
 
     moment = SecondMoment(pilot_taps.shape[1])
     moment.add(pilot_taps)
-    return fit_basis(moment, rank)
+    return fit_basis(moment, projected_rank)
 
 
 def stored(basis, taps_TNH: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -134,8 +134,8 @@ def embedded_case(args):
         return torch.cat(out)
 
     width = len(taps) * models[torch.float32].config.hidden_size
-    rank = width // 4
-    basis, other = fitted_basis(pilot(10), rank), fitted_basis(pilot(200), rank)
+    projected_rank = width // 4
+    basis, other = fitted_basis(pilot(10), projected_rank), fitted_basis(pilot(200), projected_rank)
     sample = " ".join(texts[:3])
     forward = {"float32": lambda: states(sample, torch.float32), "bfloat16": lambda: states(sample, torch.bfloat16)}
     return taps, basis, other, forward
@@ -172,7 +172,7 @@ def main() -> None:
                 for fmt in ("bf16", "fp8"):
                     for fault in FAULTS:
                         rows.append({"width": width, "taps_x_hidden": f"{len(taps)} x {basis.width // len(taps)}",
-                                     "rank": basis.rank, "extract": extract_dtype, "check": check_dtype, "format": fmt,
+                                     "rank": basis.projected_rank, "extract": extract_dtype, "check": check_dtype, "format": fmt,
                                      "fault": fault, **judge(basis, taps, fresh, planted(fault, extracted, taps, basis,
                                                                                           other, fmt))})
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

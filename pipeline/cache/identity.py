@@ -46,6 +46,9 @@ class DataRecord:
 class ProjectionRecord:
     """The basis a projected cache's taps are stored in (pipeline/projection/basis.py), kept in
     the cache as basis.safetensors, whose content's sha256 is `digest`."""
+    # R, `projected_rank` elsewhere (CaptureRecord.projected_rank below), under the name every
+    # manifest stores it with. Not renamed with stored_as: Identity.get and the difference labels
+    # walk the stored paths ("capture.projection.rank") as attribute names.
     rank: int = label("projected width R")
     digest: str = label("tap basis digest")
     energy: float = label("pilot energy kept")

@@ -158,8 +158,8 @@ _HIDDEN_SPECS = {
 def tap_rows(dims: dict[str, int]) -> tuple[int, int]:
     """(rows, values a row) of the stored tap outputs of one token: (n_taps, hidden_size), or
     (1, R) in a cache projected to R values a token (dims["projected_rank"])."""
-    rank = dims.get("projected_rank")
-    return (1, rank) if rank else (dims["n_taps"], dims["hidden_size"])
+    projected_rank = dims.get("projected_rank")
+    return (1, projected_rank) if projected_rank else (dims["n_taps"], dims["hidden_size"])
 HIDDEN_FORMATS = tuple(_HIDDEN_SPECS)
 
 
@@ -275,6 +275,7 @@ def check_dims(dims: dict[str, int]) -> None:
         value = dims.get(key)
         if not isinstance(value, int) or not 0 < value <= limit:
             raise ValueError(f"{key}={value!r} is outside 1..{limit}")
-    rank = dims.get("projected_rank")
-    if rank is not None and (not isinstance(rank, int) or not 0 < rank < dims["n_taps"] * dims["hidden_size"]):
-        raise ValueError(f"projected_rank={rank!r} is outside 1..n_taps x hidden_size - 1")
+    projected_rank = dims.get("projected_rank")
+    if projected_rank is not None and (not isinstance(projected_rank, int)
+                                       or not 0 < projected_rank < dims["n_taps"] * dims["hidden_size"]):
+        raise ValueError(f"projected_rank={projected_rank!r} is outside 1..n_taps x hidden_size - 1")

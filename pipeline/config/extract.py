@@ -43,7 +43,9 @@ class ExtractConfig:
     writer_queue: int | None = option(None, help="Batches queued for the background writer; 0 writes inline (default: 4 on a GPU, 0 on the CPU).")
     # Store the taps projected onto a basis fitted on a pilot (pipeline/projection): R values a
     # token instead of n_taps x hidden_size; the drafter trains fc on them and the export folds the
-    # basis back into an ordinary fc. None: the taps whole.
+    # basis back into an ordinary fc. None: the taps whole. This R is `projected_rank` everywhere
+    # else in the code (the cache's dims, the basis, the drafter's config); the field keeps the name
+    # of the flag and the [extract] key, which are what a user types.
     project_taps: int | None = option(None, help="Store the taps projected to R values a token (a basis fitted on a pilot of the first shards; the export folds it into fc). Pick R with `pipeline cache-info --energy` on a first shard (default: the taps whole).")
     pilot_tokens: int = option(131_072, help="With --project-taps: tokens of the first shards the basis is fitted on, run through the target once more (default 131,072).")
     # In a cache directory, a second process skips a shard another one is writing (flock on

@@ -37,13 +37,13 @@ class DrafterConfig:
     # R of a projected cache (pipeline/projection/basis.py): fc reads the taps' R projected values
     # instead of n_taps * hidden_size. Training only: the export folds the basis into fc and
     # writes a drafter on the full taps, without it. None: the full taps.
-    tap_projection: int | None = None
+    projected_rank: int | None = None
     # How fc' reads a projected row z (stored at unit RMS a component, so one fp8 scale fits):
     # True, at each component's pilot RMS (z * s = P x, the taps' own energy), with fc' initialised
     # as a whole-tap fc restricted to the basis, so AdamW moves each direction as on whole taps;
     # False, z as stored (the first form, which amplified the low-energy directions by 1/s: a tau
     # gap, BENCHMARKS "Energy and tau by R"). Read from an export without it: False.
-    tap_projection_energy: bool = False
+    projected_energy: bool = False
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -68,10 +68,10 @@ class DrafterConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (vocab_size), got {self.draft_vocab_size}")
         taps = len(self.target_layer_ids) * self.hidden_size
-        if self.tap_projection is not None and not 1 <= self.tap_projection < taps:
-            raise ValueError(f"tap_projection must be in [1, {taps}) (n_taps x hidden_size), got {self.tap_projection}")
-        if self.tap_projection_energy and self.tap_projection is None:
-            raise ValueError("tap_projection_energy needs tap_projection (a projected cache's R)")
+        if self.projected_rank is not None and not 1 <= self.projected_rank < taps:
+            raise ValueError(f"projected_rank must be in [1, {taps}) (n_taps x hidden_size), got {self.projected_rank}")
+        if self.projected_energy and self.projected_rank is None:
+            raise ValueError("projected_energy needs projected_rank (a projected cache's R)")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
 

@@ -64,16 +64,16 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     """Write config.json and model.safetensors into `out` (atomically, via a temporary folder),
     the weights in `dtype` (default: as they are; the final export of a bf16 run passes bf16,
     DESIGN 8; checkpoints keep the fp32 master weights for an exact resume). A drafter trained on
-    projected taps (`config.tap_projection`) needs its cache's `basis` (pipeline/projection/
+    projected taps (`config.projected_rank`) needs its cache's `basis` (pipeline/projection/
     basis.py): its fc is folded into an fc on the full taps, and the export is an ordinary
     drafter that computes from them what was trained on the projection. Without the basis it is
-    written as trained, `tap_projection` in config.json: a checkpoint's form, which no engine
+    written as trained, `projected_rank` in config.json: a checkpoint's form, which no engine
     serves."""
     c = drafter.config
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
-    if c.tap_projection is not None and basis is not None:
+    if c.projected_rank is not None and basis is not None:
         state["fc.weight"] = _folded_fc(drafter, basis).to(dtype or drafter.fc.weight.dtype).contiguous()
-        c = dataclasses.replace(c, tap_projection=None, tap_projection_energy=False)
+        c = dataclasses.replace(c, projected_rank=None, projected_energy=False)
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
     vocab = drafter.draft_vocab
     if vocab is not None:
@@ -103,9 +103,9 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
     }
     if c.draft_vocab_size is not None:
         config["draft_vocab_size"] = c.draft_vocab_size
-    if c.tap_projection is not None:
-        config["tap_projection"] = c.tap_projection
-        config["tap_projection_energy"] = c.tap_projection_energy
+    if c.projected_rank is not None:
+        config["projected_rank"] = c.projected_rank
+        config["projected_energy"] = c.projected_energy
     # The two files are written into a temporary folder renamed into place, not each replaced on
     # its own: a crash between the two would pair a new config with old weights.
     tmp = out.with_name(f".{out.name}.tmp")
@@ -125,11 +125,11 @@ def export_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None 
 def _folded_fc(drafter: DFlashDrafter, basis) -> torch.Tensor:
     c = drafter.config
     width = len(c.target_layer_ids) * c.hidden_size
-    if (basis.rank, basis.width) != (c.tap_projection, width):
-        raise PipelineError(f"the basis projects {basis.width} values to {basis.rank}, the drafter's fc reads "
-                            f"{c.tap_projection} projected from {width}")
+    if (basis.projected_rank, basis.width) != (c.projected_rank, width):
+        raise PipelineError(f"the basis projects {basis.width} values to {basis.projected_rank}, the drafter's fc reads "
+                            f"{c.projected_rank} projected from {width}")
     weight = drafter.fc.weight.detach().to("cpu", torch.float32)
-    if c.tap_projection_energy:  # fc' computed W' (s * z): the same map as W' diag(s) on the stored z
+    if c.projected_energy:  # fc' computed W' (s * z): the same map as W' diag(s) on the stored z
         if drafter.tap_scales is not None and not torch.equal(drafter.tap_scales.cpu(), basis.scales.to(torch.float32)):
             raise PipelineError("the basis given to the export is not the one the drafter was trained with")
         weight = weight * basis.scales.to(torch.float32)
@@ -160,12 +160,24 @@ def read_config(path: Path) -> DrafterConfig:
                              max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                              layer_types=raw.get("layer_types"),
                              sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
-                             draft_vocab_size=_draft_vocab_size(raw), tap_projection=raw.get("tap_projection"),
-                             tap_projection_energy=bool(raw.get("tap_projection_energy", False)))
+                             draft_vocab_size=_draft_vocab_size(raw), **_projection(raw))
     except FileNotFoundError:
         raise PipelineError(f"{path}: no {config_file.name}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise PipelineError(f"{config_file}: not a DFlash drafter config ({type(e).__name__}: {e})") from None
+
+
+# config.json's keys for R and its energy flag in a checkpoint written before R had one name: such
+# a checkpoint still resumes, and still exports, under the keys of today.
+_PROJECTION_KEYS_BEFORE = {"projected_rank": "tap_projection", "projected_energy": "tap_projection_energy"}
+
+
+def _projection(raw: dict) -> dict:
+    """projected_rank (R) and projected_energy of a checkpoint's config.json, under today's keys
+    or the older ones (an export on the full taps has neither: None, False)."""
+    def stored(key: str):
+        return raw[key] if key in raw else raw.get(_PROJECTION_KEYS_BEFORE[key])
+    return {"projected_rank": stored("projected_rank"), "projected_energy": bool(stored("projected_energy") or False)}
 
 
 def _draft_vocab_size(raw: dict) -> int | None:

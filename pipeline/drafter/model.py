@@ -123,7 +123,7 @@ class DFlashDrafter(nn.Module):
                              f"{'no draft vocabulary' if draft_vocab is None else f'{draft_vocab.size} draft ids'} given")
         self.config = c
         n = len(c.target_layer_ids)
-        self.fc = nn.Linear(c.tap_projection or n * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(c.projected_rank or n * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
         self.attention = "auto"  # how anchors-based attention runs: ATTENTION_PATHS
@@ -132,7 +132,7 @@ class DFlashDrafter(nn.Module):
         head = lm_head if draft_vocab is None else DraftHead(lm_head, draft_vocab)
         self._frozen = {"embed": embed.requires_grad_(False), "lm_head": head.requires_grad_(False)}
         # A projected cache's component scales s (`use_basis`): fc' reads z * s where
-        # config.tap_projection_energy. Not a parameter and not saved: the cache's basis holds them.
+        # config.projected_energy. Not a parameter and not saved: the cache's basis holds them.
         self.register_buffer("tap_scales", None, persistent=False)
         self.reset_parameters()
 
@@ -147,7 +147,7 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
-        if self.config.tap_projection_energy:
+        if self.config.projected_energy:
             # The whole-tap fc's init W ~ N(0, 1/(n*H)) restricted to the basis, W P^T, is N(0, 1/(n*H))
             # too (P's rows are orthonormal): the same draws, rescaled, so every other init is unchanged.
             width = len(self.config.target_layer_ids) * self.config.hidden_size
@@ -156,18 +156,18 @@ class DFlashDrafter(nn.Module):
 
     def use_basis(self, basis) -> None:
         """Give a projected drafter its cache's basis (pipeline/projection/basis.py): fc' then reads
-        z * s where config.tap_projection_energy (a no-op otherwise)."""
-        if self.config.tap_projection != basis.rank:
-            raise ValueError(f"the basis has {basis.rank} components, this drafter's fc reads {self.config.tap_projection}")
-        if self.config.tap_projection_energy:
+        z * s where config.projected_energy (a no-op otherwise)."""
+        if self.config.projected_rank != basis.projected_rank:
+            raise ValueError(f"the basis has {basis.projected_rank} components, this drafter's fc reads {self.config.projected_rank}")
+        if self.config.projected_energy:
             self.tap_scales = basis.scales.detach().to(self.fc.weight.device, torch.float32).clone()
 
     def context_features(self, hidden_BTNH: torch.Tensor) -> torch.Tensor:
         """fc + hidden_norm of the concatenated taps, [B, T, H] (of the projected taps [B, T, 1, R]
-        where `config.tap_projection` is R)."""
+        where `config.projected_rank` is R)."""
         b, t = hidden_BTNH.shape[:2]
         x = hidden_BTNH.reshape(b, t, -1)
-        if self.config.tap_projection_energy:
+        if self.config.projected_energy:
             if self.tap_scales is None:
                 raise RuntimeError("a drafter of projected taps read at their energy needs its cache's basis: use_basis(basis)")
             x = x * self.tap_scales.to(x.dtype)

@@ -54,17 +54,17 @@ def context_of(drafter, reader: CacheReader):
     taps), or the projection itself for a drafter not folded yet (a checkpoint's, of that basis)."""
     basis, c = cache_basis(reader), drafter.config
     if basis is None:
-        if c.tap_projection is not None:
+        if c.projected_rank is not None:
             raise PipelineError(f"{reader.dir}: stores the taps whole, and this drafter was written before its "
-                                f"fc was folded (it reads {c.tap_projection} projected values a token): use its run's "
+                                f"fc was folded (it reads {c.projected_rank} projected values a token): use its run's "
                                 "final export (RUN/drafter)")
         return lambda hidden: hidden
-    if c.tap_projection is None:
+    if c.projected_rank is None:
         n_taps = len(reader.manifest.identity.capture.target_layer_ids)
         return lambda hidden: basis.reconstruct(hidden, n_taps)
-    if c.tap_projection != basis.rank:
-        raise PipelineError(f"{reader.dir}: stores {basis.rank} projected values a token, this drafter's fc reads "
-                            f"{c.tap_projection}")
+    if c.projected_rank != basis.projected_rank:
+        raise PipelineError(f"{reader.dir}: stores {basis.projected_rank} projected values a token, this drafter's fc reads "
+                            f"{c.projected_rank}")
     drafter.use_basis(basis)
     return lambda hidden: hidden
 

@@ -27,7 +27,7 @@ from pipeline.data.loss_mask import ConversationMasker
 from pipeline.data.samples import prepare_samples, scan_dataset
 from pipeline.cache.shard_plan import parse_shards, shard_rows
 from pipeline.errors import PipelineError
-from pipeline.projection.basis import check_rank
+from pipeline.projection.basis import check_projected_rank
 from pipeline.target_model import load_tokenizer, read_target_facts, resolve_target
 from pipeline.target_model.taps import taps_for, validate_taps
 
@@ -57,7 +57,7 @@ def read_inputs(cfg: ExtractConfig, shards_spec: str | None) -> ExtractionInputs
     if cfg.top_k > facts.vocab_size:
         raise PipelineError(f"top_k {cfg.top_k} exceeds the target's vocab_size {facts.vocab_size}")
     if cfg.project_taps is not None:
-        check_rank(cfg.project_taps, len(taps) * facts.hidden_size)
+        check_projected_rank(cfg.project_taps, len(taps) * facts.hidden_size)
     selected = parse_shards(shards_spec, cfg.num_shards)
     paths = resolve_data(cfg.data)
     tokenizer = load_tokenizer(target_dir)

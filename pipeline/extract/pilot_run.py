@@ -124,13 +124,13 @@ def projection_basis(cfg, *, location, layout, model, taps, inputs,
         raise PipelineError(f"{location.where()}: the tap basis vanished after it was stored")
     if fitted is not None and basis.digest() != fitted:
         raise PipelineError(f"{location.where()}: the stored basis changed while this extract read it")
-    if basis.rank != cfg.project_taps or basis.width != len(taps) * inputs.facts.hidden_size:
+    if basis.projected_rank != cfg.project_taps or basis.width != len(taps) * inputs.facts.hidden_size:
         raise PipelineError(f"{location.where('basis.safetensors')}: the cache's basis projects "
-                            f"{basis.width} values to {basis.rank}, this extract asks --project-taps "
+                            f"{basis.width} values to {basis.projected_rank}, this extract asks --project-taps "
                             f"{cfg.project_taps} of {len(taps) * inputs.facts.hidden_size}: use the cache's "
                             "settings or another --cache")
     broadcast_from_rank0(None, world)  # every rank has read it before any shard is written
-    record = ProjectionRecord(rank=basis.rank, digest=basis.digest(), energy=basis.energy,
+    record = ProjectionRecord(rank=basis.projected_rank, digest=basis.digest(), energy=basis.energy,
                               pilot_tokens=basis.pilot_tokens, pilot=pilot_description(basis.pilot_tokens))
     return basis, record, {"basis": "fitted" if not stored else "read from the cache", "energy": basis.energy,
                            "pilot_tokens": basis.pilot_tokens, "seconds": time.perf_counter() - start,

@@ -105,13 +105,13 @@ class SecondMoment:
         signs[signs == 0] = 1
         return values, rows.mul_(signs), total
 
-    def energy_kept(self, ranks: list[int], flag: str = "--energy") -> dict[int, float]:
+    def energy_kept(self, projected_ranks: list[int], flag: str = "--energy") -> dict[int, float]:
         """The fraction of the pilot's energy (sum of squares) the top R components keep, per R."""
-        for r in ranks:
-            check_rank(r, self.dim, flag)
-        values, _, total = self.spectrum(top=max(ranks))
+        for r in projected_ranks:
+            check_projected_rank(r, self.dim, flag)
+        values, _, total = self.spectrum(top=max(projected_ranks))
         cumulative = values.cumsum(0) / total
-        return {r: float(cumulative[min(r, len(values)) - 1]) for r in ranks}
+        return {r: float(cumulative[min(r, len(values)) - 1]) for r in projected_ranks}
 
 
 def _top_eigenpairs(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +129,12 @@ def _top_eigenpairs(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
             torch.from_numpy(vectors[:, ::-1].copy()))
 
 
-def check_rank(rank: int, dim: int, flag: str = "--project-taps") -> None:
-    if rank < 1:
-        raise PipelineError(f"{flag} {rank}: must be at least 1")
-    if rank >= dim:
-        raise PipelineError(f"{flag} {rank}: the taps are {dim} values a token (n_taps x hidden_size); "
-                            f"a projection to {rank} saves nothing: leave it out to store the full taps")
+def check_projected_rank(projected_rank: int, dim: int, flag: str = "--project-taps") -> None:
+    if projected_rank < 1:
+        raise PipelineError(f"{flag} {projected_rank}: must be at least 1")
+    if projected_rank >= dim:
+        raise PipelineError(f"{flag} {projected_rank}: the taps are {dim} values a token (n_taps x hidden_size); "
+                            f"a projection to {projected_rank} saves nothing: leave it out to store the full taps")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,8 @@ class TapBasis:
     pilot_tokens: int
 
     @property
-    def rank(self) -> int:
+    def projected_rank(self) -> int:
+        """R: how many components, the values a token the projection stores."""
         return self.components.shape[0]
 
     @property
@@ -185,13 +186,13 @@ class TapBasis:
         return folded.to(fc_weight_HR.dtype)
 
 
-def fit_basis(moment: SecondMoment, rank: int) -> TapBasis:
-    check_rank(rank, moment.dim)
-    values, rows, total = moment.spectrum(top=rank)
+def fit_basis(moment: SecondMoment, projected_rank: int) -> TapBasis:
+    check_projected_rank(projected_rank, moment.dim)
+    values, rows, total = moment.spectrum(top=projected_rank)
     spanned = int((values > values[0] * _SPANNED).sum())
-    if rank > spanned:
-        raise PipelineError(f"--project-taps {rank}: the pilot ({moment.tokens} tokens) spans only {spanned} "
+    if projected_rank > spanned:
+        raise PipelineError(f"--project-taps {projected_rank}: the pilot ({moment.tokens} tokens) spans only {spanned} "
                             f"directions; take a larger pilot or a smaller R")
-    return TapBasis(components=rows[:rank].to(torch.float32).contiguous(),
-                    scales=(values[:rank] / moment.tokens).sqrt().to(torch.float32),
-                    energy=float(values[:rank].sum() / total), pilot_tokens=moment.tokens)
+    return TapBasis(components=rows[:projected_rank].to(torch.float32).contiguous(),
+                    scales=(values[:projected_rank] / moment.tokens).sqrt().to(torch.float32),
+                    energy=float(values[:projected_rank].sum() / total), pilot_tokens=moment.tokens)

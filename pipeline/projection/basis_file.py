@@ -38,7 +38,7 @@ def parse_basis(data: bytes, where: str) -> tuple[TapBasis, dict]:
                          energy=float(metadata["energy"]), pilot_tokens=int(metadata["pilot_tokens"]))
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: safetensors, json and key errors
         raise PipelineError(f"{where}: not a tap basis ({type(e).__name__}: {e})") from None
-    if basis.components.ndim != 2 or basis.scales.shape != (basis.rank,):
+    if basis.components.ndim != 2 or basis.scales.shape != (basis.projected_rank,):
         raise PipelineError(f"{where}: not a tap basis (components {tuple(basis.components.shape)}, "
                             f"scales {tuple(basis.scales.shape)})")
     return basis, metadata

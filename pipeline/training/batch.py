@@ -191,7 +191,7 @@ def placeholder(config, soft_k: int | None = None, vocab: bool = False) -> Seque
     has the cache's shape: n_taps taps of hidden_size, or one row of R projected values."""
     b = config.block_size
     ids = torch.full((b,), config.mask_token_id, dtype=torch.long)
-    taps = (1, config.tap_projection) if config.tap_projection else (len(config.target_layer_ids), config.hidden_size)
+    taps = (1, config.projected_rank) if config.projected_rank else (len(config.target_layer_ids), config.hidden_size)
     out = SequenceBlocks(torch.zeros(1, *taps), ids, torch.arange(b), torch.zeros(1, dtype=torch.long),
                          torch.zeros(1, b, dtype=torch.long), torch.zeros(1, b), real=False)
     if soft_k:

@@ -37,7 +37,7 @@ def drafter_config(shape: DrafterShape, facts: TargetFacts, target_dir: Path, ta
                                                or 10000.0),
             max_position_embeddings=shape.max_position_embeddings or int(text.get("max_position_embeddings", 32768)),
             layer_types=shape.layer_types, sliding_window=shape.sliding_window, draft_vocab_size=shape.draft_vocab,
-            tap_projection=projected_rank,
-            tap_projection_energy=projected_rank is not None and shape.projected_fc == "energy")
+            projected_rank=projected_rank,
+            projected_energy=projected_rank is not None and shape.projected_fc == "energy")
     except ValueError as e:
         raise PipelineError(f"drafter config: {e}") from None

@@ -110,14 +110,14 @@ def check_basis(reader: CacheReader) -> Check:
         return Check("basis", False, str(e))
     width = len(capture.target_layer_ids) * capture.hidden_size
     problems = [f"{BASIS}: {what} {got}, the manifest's capture says {want}"
-                for what, got, want in (("rank", basis.rank, capture.projected_rank), ("width", basis.width, width))
+                for what, got, want in (("rank", basis.projected_rank, capture.projected_rank), ("width", basis.width, width))
                 if got != want]
     if problems:
         return Check("basis", False, "; ".join(problems), {"digest": basis.digest()})
-    return Check("basis", True, f"{BASIS}: basis {basis.digest()[:12]} as the manifest names, {basis.rank} "
+    return Check("basis", True, f"{BASIS}: basis {basis.digest()[:12]} as the manifest names, {basis.projected_rank} "
                                 f"components of {width} tap values, keeping {basis.energy:.3f} of the energy of a "
                                 f"{basis.pilot_tokens}-token pilot",
-                 {"digest": basis.digest(), "rank": basis.rank, "width": width, "energy": basis.energy,
+                 {"digest": basis.digest(), "rank": basis.projected_rank, "width": width, "energy": basis.energy,
                   "pilot_tokens": basis.pilot_tokens})
 
 

@@ -187,7 +187,7 @@ class ProjectedAlignment:
                        f"{self.basis.digest()[:12]}) of hidden_states[tap+1] in place (each tap at its layer -1/+1 "
                        f"and at every other tap's layer, and position shifts -1/+1, tried)")
         return aligned and in_place, summary, {
-            "basis": self.basis.digest(), "rank": self.basis.rank,
+            "basis": self.basis.digest(), "rank": self.basis.projected_rank,
             "best_hidden_state_index": {str(t): {str(j): c for j, c in b.items()} for t, b in self.best_index.items()},
             "best_position_shift": {str(d): c for d, c in self.best_shift.items()},
             "noise_rms": self.noise}

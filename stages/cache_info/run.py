@@ -33,11 +33,11 @@ def run_cache_info(cache: str, draft_vocab: list[int] | None = None, *, train_co
     return info
 
 
-def tap_energy(reader, ranks: list[int], tokens: int) -> dict:
+def tap_energy(reader, projected_ranks: list[int], tokens: int) -> dict:
     """{pilot_tokens, width, rows: [{rank, energy}]}: the share of the taps' energy (uncentred
     second moment, pipeline/projection/basis.py) the top R components of a pilot keep, as
     `pipeline extract --project-taps R` would fit them on the same first tokens."""
-    from pipeline.projection.basis import check_rank
+    from pipeline.projection.basis import check_projected_rank
     from pipeline.projection.pilot import pilot_moment
 
     dims = reader.manifest.identity.capture.dims()
@@ -45,12 +45,12 @@ def tap_energy(reader, ranks: list[int], tokens: int) -> dict:
         raise PipelineError(f"--energy: {reader.dir} stores the taps projected already (to "
                             f"{dims['projected_rank']} values a token); ask it of a cache of whole taps, such as a "
                             "first shard extracted without --project-taps")
-    for r in ranks:  # before the pass over the cache
-        check_rank(r, dims["n_taps"] * dims["hidden_size"], "--energy")
+    for r in projected_ranks:  # before the pass over the cache
+        check_projected_rank(r, dims["n_taps"] * dims["hidden_size"], "--energy")
     moment = pilot_moment(reader, tokens)
-    kept = moment.energy_kept(ranks)
+    kept = moment.energy_kept(projected_ranks)
     return {"pilot_tokens": moment.tokens, "width": moment.dim,
-            "rows": [{"rank": r, "energy": round(kept[r], 6)} for r in ranks]}
+            "rows": [{"rank": r, "energy": round(kept[r], 6)} for r in projected_ranks]}
 
 
 def draft_vocab_coverage(cache: str, reader, sizes: list[int], *, train_config: Path | None = None,

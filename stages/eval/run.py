@@ -148,8 +148,8 @@ def fitting_drafter(drafter_dir: Path, target_dir: Path, block_size: int | None,
         raise PipelineError(f"{drafter_dir}: drafter (hidden {c.hidden_size}, vocab {c.vocab_size}, taps "
                             f"{c.target_layer_ids}) does not fit target {target_dir} (hidden {facts.hidden_size}, "
                             f"vocab {facts.vocab_size}, {facts.num_hidden_layers} layers)")
-    if c.tap_projection is not None:
-        raise PipelineError(f"{drafter_dir}: this drafter's fc reads taps projected to {c.tap_projection} values (a "
+    if c.projected_rank is not None:
+        raise PipelineError(f"{drafter_dir}: this drafter's fc reads taps projected to {c.projected_rank} values (a "
                             "checkpoint's form, not folded yet): evaluate its run's final export (RUN/drafter), whose "
                             "fc reads the taps the live target gives")
     block = block_size or c.block_size

@@ -47,9 +47,9 @@ def refuse_other_projection(location, cfg: ExtractConfig) -> None:
     manifest = read_manifest(location)
     if manifest is None:
         return
-    rank = manifest.identity.capture.projected_rank
-    if rank != cfg.project_taps:
-        stored = f"projected to {rank} values a token" if rank else "whole (not projected)"
+    projected_rank = manifest.identity.capture.projected_rank
+    if projected_rank != cfg.project_taps:
+        stored = f"projected to {projected_rank} values a token" if projected_rank else "whole (not projected)"
         asked = f"--project-taps {cfg.project_taps}" if cfg.project_taps else "no --project-taps"
         raise PipelineError(f"{location.where()}: stores the taps {stored}, this extract has {asked}: use the "
                             "cache's setting or another --cache")

@@ -138,7 +138,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, preset_target: dict | Non
     # A projected cache: fc reads its R values a token; the export folds the basis back (pipeline/projection).
     basis = cache_basis(reader)
     config = drafter_config(cfg.drafter, facts, target_dir, list(manifest.identity.capture.target_layer_ids),
-                            projected_rank=None if basis is None else basis.rank)
+                            projected_rank=None if basis is None else basis.projected_rank)
     check_mask_absent(reader, config.mask_token_id)
     frozen_dtype = autocast_dtype(cfg.job.dtype, device) or torch.float32
     run_config = asdict(cfg)  # what run.json, each checkpoint and the trackers record

@@ -214,11 +214,11 @@ def test_declared_sizes_are_bounded(key):
 
 def test_a_projected_rank_is_under_the_full_width():
     ok = {"n_taps": 3, "hidden_size": 8, "top_k": 2, "vocab_size": 100}
-    for rank in (None, 1, 23):
-        schema.check_dims({**ok, "projected_rank": rank})
-    for rank in (0, -1, 24, 25, 2.0, "2"):
+    for projected_rank in (None, 1, 23):
+        schema.check_dims({**ok, "projected_rank": projected_rank})
+    for projected_rank in (0, -1, 24, 25, 2.0, "2"):
         with pytest.raises(ValueError, match="projected_rank"):
-            schema.check_dims({**ok, "projected_rank": rank})
+            schema.check_dims({**ok, "projected_rank": projected_rank})
 
 
 def test_fp8_max_is_the_largest_finite_e4m3fn():

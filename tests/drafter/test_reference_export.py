@@ -40,9 +40,9 @@ def reference():
     return reference_module()
 
 
-def drafter(window=WINDOW, block=BLOCK, seed=0, tap_projection=None):
+def drafter(window=WINDOW, block=BLOCK, seed=0, projected_rank=None):
     torch.manual_seed(seed)
-    config = DrafterConfig(tap_projection=tap_projection, hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS),
+    config = DrafterConfig(projected_rank=projected_rank, hidden_size=H, intermediate_size=64, num_hidden_layers=len(KINDS),
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5],
                            num_target_layers=8, mask_token_id=V - 1, block_size=block, rope_theta=50000.0,
                            max_position_embeddings=4096, layer_types=KINDS, sliding_window=window)
@@ -226,7 +226,7 @@ def test_reference_class_drafts_from_the_full_taps_what_a_drafter_trained_on_a_p
     moment = SecondMoment(TAPS * H)
     moment.add(pilot)
     basis = fit_basis(moment, 40)
-    ours = drafter(tap_projection=40)
+    ours = drafter(projected_rank=40)
     export_drafter(ours, tmp_path / "d", basis=basis)
     theirs = load_reference(reference, tmp_path / "d")
     taps = pilot[:context_len].reshape(context_len, TAPS, H)

@@ -164,7 +164,7 @@ def test_vllm_serves_the_target_and_the_exported_drafter(tmp_path):
     trained = subprocess.run([sys.executable, "cli.py", "train", "--cache", str(projected), "--out", str(run),
                               "--max-steps", "150", "--json"], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "tap_projection" not in json.loads((run / "drafter" / "config.json").read_text())
+    assert "projected_rank" not in json.loads((run / "drafter" / "config.json").read_text())
     served = subprocess.run([sys.executable, "benchmarks/serving/serve_vllm.py", "--work", str(tmp_path / "work-pj"), "--venv", venv,
                              "--rows", "12", "--max-new-tokens", "160", "--skip", "generate", "--drafter", str(run / "drafter")],
                             cwd=REPO, capture_output=True, text=True, timeout=3600)

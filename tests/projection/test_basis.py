@@ -24,33 +24,33 @@ def moment_of(x, batches=5):
     return m
 
 
-@pytest.mark.parametrize("rank", [1, 8, 30])
-def test_the_basis_is_the_pilots_top_singular_subspace_with_its_energy(rank):
+@pytest.mark.parametrize("projected_rank", [1, 8, 30])
+def test_the_basis_is_the_pilots_top_singular_subspace_with_its_energy(projected_rank):
     x = pilot()
-    basis = fit_basis(moment_of(x), rank)
+    basis = fit_basis(moment_of(x), projected_rank)
     _, s, vt = np.linalg.svd(x.double().numpy(), full_matrices=False)
-    top = vt[:rank]
+    top = vt[:projected_rank]
     # the same subspace: equal orthogonal projectors (individual vectors may differ in sign)
     np.testing.assert_allclose(basis.components.double().numpy().T @ basis.components.double().numpy(), top.T @ top,
                                atol=1e-5)
-    assert basis.energy == pytest.approx(float((s[:rank] ** 2).sum() / (s ** 2).sum()), rel=1e-9)
-    assert moment_of(x).energy_kept([rank])[rank] == pytest.approx(basis.energy, rel=1e-12)
-    np.testing.assert_allclose(basis.scales.double().numpy(), s[:rank] / np.sqrt(len(x)), rtol=1e-5)
+    assert basis.energy == pytest.approx(float((s[:projected_rank] ** 2).sum() / (s ** 2).sum()), rel=1e-9)
+    assert moment_of(x).energy_kept([projected_rank])[projected_rank] == pytest.approx(basis.energy, rel=1e-12)
+    np.testing.assert_allclose(basis.scales.double().numpy(), s[:projected_rank] / np.sqrt(len(x)), rtol=1e-5)
     z = basis.project(x)
-    np.testing.assert_allclose(z.double().pow(2).mean(0).numpy(), np.ones(rank), rtol=1e-4)   # one fp8 scale fits all
+    np.testing.assert_allclose(z.double().pow(2).mean(0).numpy(), np.ones(projected_rank), rtol=1e-4)   # one fp8 scale fits all
 
 
-@pytest.mark.parametrize("tokens,rank", [(40, 12), (96, 30), (97, 30)])
-def test_a_pilot_narrower_than_the_taps_gives_the_same_basis_through_its_gram_matrix(tokens, rank):
+@pytest.mark.parametrize("tokens,projected_rank", [(40, 12), (96, 30), (97, 30)])
+def test_a_pilot_narrower_than_the_taps_gives_the_same_basis_through_its_gram_matrix(tokens, projected_rank):
     # 40 and 96 tokens of 96 values: the rows are kept and X X^T decomposed; 97: the moment.
     x = pilot(tokens=tokens, dim=96)
-    basis = fit_basis(moment_of(x, 3), rank)
+    basis = fit_basis(moment_of(x, 3), projected_rank)
     _, s, vt = np.linalg.svd(x.double().numpy(), full_matrices=False)
-    top = vt[:rank]
+    top = vt[:projected_rank]
     np.testing.assert_allclose(basis.components.double().numpy().T @ basis.components.double().numpy(), top.T @ top,
                                atol=1e-5)
-    np.testing.assert_allclose(basis.scales.double().numpy(), s[:rank] / np.sqrt(tokens), rtol=1e-5)
-    assert moment_of(x).energy_kept([rank, 95])[95] == pytest.approx(float((s[:95] ** 2).sum() / (s ** 2).sum()),
+    np.testing.assert_allclose(basis.scales.double().numpy(), s[:projected_rank] / np.sqrt(tokens), rtol=1e-5)
+    assert moment_of(x).energy_kept([projected_rank, 95])[95] == pytest.approx(float((s[:95] ** 2).sum() / (s ** 2).sum()),
                                                                      rel=1e-9)
 
 

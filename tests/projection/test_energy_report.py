@@ -23,9 +23,9 @@ def first_tokens_taps(cache, tokens: int) -> np.ndarray:
     return torch.cat(rows)[:tokens].double().numpy()
 
 
-def energy_by_svd(x: np.ndarray, rank: int) -> float:
+def energy_by_svd(x: np.ndarray, projected_rank: int) -> float:
     s = np.linalg.svd(x, compute_uv=False)
-    return float((s[:rank] ** 2).sum() / (s ** 2).sum())
+    return float((s[:projected_rank] ** 2).sum() / (s ** 2).sum())
 
 
 @pytest.mark.parametrize("pilot", [300, 10**9])

@@ -19,12 +19,12 @@ from pipeline.projection.basis import SecondMoment, fit_basis
 H, V, TAPS, R = 32, 64, 3, 40
 
 
-def projected_drafter(rank=R, seed=0, energy=False):
+def projected_drafter(projected_rank=R, seed=0, energy=False):
     torch.manual_seed(seed)
     config = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 3, 5], num_target_layers=8,
                            mask_token_id=V - 1, block_size=6, layer_types=["sliding_attention", "full_attention"],
-                           sliding_window=5, tap_projection=rank, tap_projection_energy=energy)
+                           sliding_window=5, projected_rank=projected_rank, projected_energy=energy)
     head = torch.nn.Linear(H, V, bias=False)
     torch.nn.init.normal_(head.weight, std=1.0)
     return DFlashDrafter(config, embed=torch.nn.Embedding(V, H), lm_head=head).eval()
@@ -47,7 +47,7 @@ def test_the_folded_export_drafts_from_the_full_taps_what_was_trained_on_the_pro
     export_drafter(trained, tmp_path / "drafter", basis=basis)
 
     raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    assert "tap_projection" not in raw and "tap_projection_energy" not in raw and read_config(tmp_path / "drafter").tap_projection is None
+    assert "projected_rank" not in raw and "projected_energy" not in raw and read_config(tmp_path / "drafter").projected_rank is None
     assert load_file(str(tmp_path / "drafter" / "model.safetensors"))["fc.weight"].shape == (H, TAPS * H)
     served = load_drafter(tmp_path / "drafter", embed=trained._frozen["embed"], lm_head=trained._frozen["lm_head"]).eval()
 
@@ -63,7 +63,7 @@ def test_the_folded_export_drafts_from_the_full_taps_what_was_trained_on_the_pro
 def test_without_the_basis_the_drafter_is_written_as_trained_and_reads_back(tmp_path):
     trained = projected_drafter()
     export_drafter(trained, tmp_path / "checkpoint")
-    assert read_config(tmp_path / "checkpoint").tap_projection == R
+    assert read_config(tmp_path / "checkpoint").projected_rank == R
     back = load_drafter(tmp_path / "checkpoint", embed=trained._frozen["embed"], lm_head=trained._frozen["lm_head"])
     assert torch.equal(back.fc.weight, trained.fc.weight)
 
@@ -77,8 +77,8 @@ def test_a_basis_of_another_shape_is_refused(tmp_path):
 
 
 def test_a_projection_as_wide_as_the_taps_is_refused():
-    with pytest.raises(ValueError, match="tap_projection must be in"):
-        projected_drafter(rank=TAPS * H)
+    with pytest.raises(ValueError, match="projected_rank must be in"):
+        projected_drafter(projected_rank=TAPS * H)
 
 
 def test_a_drafter_reading_components_at_their_energy_needs_its_basis():

@@ -111,7 +111,7 @@ def test_train_on_the_projected_cache_exports_an_ordinary_folded_drafter(project
                     "--noise-std", "0.05", "--json")
     assert done.returncode == 0, done.stderr
     config = json.loads((out / "drafter" / "config.json").read_text())
-    assert "tap_projection" not in config
+    assert "projected_rank" not in config
     weights = load_file(str(out / "drafter" / "model.safetensors"))
     assert tuple(weights["fc.weight"].shape) == (128, 3 * 128)
     # the fold against the last checkpoint's drafter (fc' on the projection), in numpy
@@ -120,7 +120,7 @@ def test_train_on_the_projected_cache_exports_an_ordinary_folded_drafter(project
     assert tuple(trained["fc.weight"].shape) == (128, R)
     p, s = stored_basis(projected["cache"])
     # the default fc' reads each component at its pilot RMS (z * s = P x): the export's fc is W' P
-    assert json.loads((checkpoints[-1] / "drafter" / "config.json").read_text())["tap_projection_energy"] is True
+    assert json.loads((checkpoints[-1] / "drafter" / "config.json").read_text())["projected_energy"] is True
     folded = trained["fc.weight"].double().numpy() @ p
     np.testing.assert_allclose(weights["fc.weight"].double().numpy(), folded, rtol=1e-5, atol=1e-6)
     # eval's teacher-forced walk on the projected cache: the folded drafter reads the reconstruction

@@ -53,7 +53,7 @@ def test_a_placeholder_beside_real_sequences_changes_no_loss_and_no_metric(soft,
 def test_the_placeholder_context_has_the_caches_shape():
     config = lb.drafter().config
     assert placeholder(config).hidden.shape == (1, lb.TAPS, lb.H)
-    projected = dataclasses.replace(config, tap_projection=20)
+    projected = dataclasses.replace(config, projected_rank=20)
     assert placeholder(projected).hidden.shape == (1, 1, 20)
     ph = placeholder(config)
     assert ph.block_ids.tolist() == [lb.V - 1] * lb.B and ph.block_pos.tolist() == list(range(lb.B))

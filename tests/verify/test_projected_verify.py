@@ -155,7 +155,7 @@ def test_rows_projected_with_another_pilots_basis_fail_the_tolerance(damaged, ta
             ids = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(k))
             states = target(input_ids=ids, output_hidden_states=True).hidden_states
             moment.add(torch.cat([states[t + 1][0] for t in (1, 3, 5)], dim=-1))
-    other = fit_basis(moment, stored_basis.rank)
+    other = fit_basis(moment, stored_basis.projected_rank)
     for shard in ("shard-00000", "shard-00001", "shard-00002"):
         rewrite_hidden(damaged, shard, rows_of_layers(target, other, [2, 4, 6]))
     check = checks_of(run_verify(VerifyOptions(cache=damaged, recompute=2)))["recompute"]

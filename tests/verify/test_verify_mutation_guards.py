@@ -82,10 +82,10 @@ def fp8_rows(values) -> dict[str, np.ndarray]:
 
 
 def build(root: Path, samples: list[dict], shards: list[list[int]], *, num_shards=None, attrs=None,
-          run_records=None, dataset=True, chunking=SMALL, fmt="bf16", rank=None, scales=None, taps=None,
+          run_records=None, dataset=True, chunking=SMALL, fmt="bf16", projected_rank=None, scales=None, taps=None,
           hidden=HIDDEN, layers=5) -> Path:
     """A cache at root/cache: shard k holds samples[i] for i in shards[k] (sample id = i, its row
-    in the dataset, written pre-tokenized to root/data.jsonl). `rank`: a projected cache of R values
+    in the dataset, written pre-tokenized to root/data.jsonl). `projected_rank`: a projected cache of R values
     a token (the samples' "hidden" then [tokens, 1, R]); `scales` {sample: fp8 scales to store};
     `taps`, `hidden`, `layers`: the target's tap layers, width and depth."""
     taps = taps or TAPS
@@ -98,8 +98,8 @@ def build(root: Path, samples: list[dict], shards: list[list[int]], *, num_shard
                "vocab_size": VOCAB, "top_k": TOP_K, "hidden_format": fmt, "stored_dtype": MADE_UP,
                "compute_dtype": "float32", "max_length": 4096, "overlong": "error", "on_error": "fail",
                "zstd_level": 3, "checksum": MADE_UP, "storage": chunking.record()}
-    if rank is not None:
-        capture["projection"] = {"rank": rank, "digest": "0" * 64, "energy": 0.9, "pilot_tokens": 64, "pilot": MADE_UP}
+    if projected_rank is not None:
+        capture["projection"] = {"rank": projected_rank, "digest": "0" * 64, "energy": 0.9, "pilot_tokens": 64, "pilot": MADE_UP}
     identity = parse_identity({
         "num_shards": num_shards or len(shards),
         "target": {"model_type": MADE_UP, "config_sha256": MADE_UP, "num_hidden_layers": layers, "weights": {}},
@@ -115,7 +115,7 @@ def build(root: Path, samples: list[dict], shards: list[list[int]], *, num_shard
     write_json_atomic(cache / "manifest.json", manifest.to_json())
     location = open_location(cache)
     dims = {"n_taps": len(taps), "hidden_size": hidden, "top_k": TOP_K,
-            **({"projected_rank": rank} if rank is not None else {})}
+            **({"projected_rank": projected_rank} if projected_rank is not None else {})}
     for k, members in enumerate(shards):
         writer = ShardWriter(location, k, dims=dims, hidden_format=fmt,
                              num_tokens=sum(len(samples[i]["input_ids"]) for i in members),
@@ -156,14 +156,14 @@ def projected_samples() -> list[dict]:
     return samples
 
 
-def projected_cache(root: Path, *, basis_rank=2, basis_width=12, stored=True) -> tuple[Path, str]:
+def projected_cache(root: Path, *, basis_projected_rank=2, basis_width=12, stored=True) -> tuple[Path, str]:
     """A cache projected to R = 2 values a token (3 taps x 4: 12 tap values) and its basis file
-    (of `basis_rank` components of `basis_width` values), the manifest naming the basis's digest."""
+    (of `basis_projected_rank` components of `basis_width` values), the manifest naming the basis's digest."""
     from pipeline.projection.basis import TapBasis
     from pipeline.projection.basis_file import store_basis
 
-    cache = build(root, projected_samples(), [[0, 1, 2]], rank=2)
-    basis = TapBasis(components=torch.eye(basis_rank, basis_width), scales=torch.ones(basis_rank), energy=0.875,
+    cache = build(root, projected_samples(), [[0, 1, 2]], projected_rank=2)
+    basis = TapBasis(components=torch.eye(basis_projected_rank, basis_width), scales=torch.ones(basis_projected_rank), energy=0.875,
                      pilot_tokens=64)
     if stored:
         store_basis(open_location(cache), basis, "synthetic")
@@ -398,7 +398,7 @@ def test_the_basis_named_by_the_manifest_is_checked_against_its_capture(tmp_path
                                               "components of 12 tap values, keeping 0.875 of the energy of a 64-token "
                                               "pilot")
     assert check.evidence == {"digest": digest, "rank": 2, "width": 12, "energy": 0.875, "pilot_tokens": 64}
-    cache, digest = projected_cache(tmp_path / "rank", basis_rank=3)
+    cache, digest = projected_cache(tmp_path / "rank", basis_projected_rank=3)
     check = check_basis(CacheReader(cache))
     assert not check.passed and check.summary == "basis.safetensors: rank 3, the manifest's capture says 2"
     assert check.evidence == {"digest": digest}
@@ -857,7 +857,7 @@ def test_a_sample_rate_decodes_the_chunks_whose_draw_is_below_it(good):
 def test_a_projected_cache_counts_its_one_row(tmp_path):
     samples = projected_samples()
     samples[0]["hidden"][3, 0, 1] = np.nan
-    cache = build(tmp_path, samples, [[0, 1, 2]], rank=2)
+    cache = build(tmp_path, samples, [[0, 1, 2]], projected_rank=2)
     crc, finite, signature = chunks(cache, shards=["shard-00000"])
     assert crc.passed and not finite.passed
     assert finite.summary == "NaN/Inf in the projected row (2 components): 1/0; 1 samples, e.g. sample 0 (shard-00000)"
