@@ -23,7 +23,7 @@ BLOCKS = 128  # 8 MiB, written by the child in about half a second: a kill lands
 OLD = b"o" * (3 * BLOCK + 17)
 
 # The child writes BLOCKS blocks of b"n" through a generator, sleeping between blocks so that the
-# parent can kill it mid-write; it says "writing" once the first block is produced.
+# parent can kill it mid-write; it says "writing" once the first block has been handed to the write.
 CHILD = f"""
 import sys, time
 from pathlib import Path
