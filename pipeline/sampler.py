@@ -16,6 +16,9 @@ output files, eval's sampled tokens and taus), and they differ by design:
     Keyed, not streamed, so a prompt draws the same tokens alone or in a batch of any size, in
     any order, and one position can have independent numbers for several purposes (speculative
     sampling's draft, acceptance test and residual: pipeline/eval/speculative_sampling.py).
+
+The sampling options are checked here only (`check_sampling`, which `Sampler` runs too): both
+commands call it before loading a model, so a bad option is one line before any work.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.errors import PipelineError
 
 _MASK64 = (1 << 64) - 1
 
@@ -61,6 +66,23 @@ def draw_rows(probs_NV: torch.Tensor, us: list[float]) -> list[int]:
     return index.tolist()
 
 
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
+    """The one rule for the sampling options, as `pipeline eval` and `pipeline generate` take them
+    (temperature 0: greedy; a command without --top-k leaves it 0): a PipelineError naming the
+    option as the user types it. Written as `not (ok)` so that NaN is refused too."""
+    if not temperature >= 0:
+        raise PipelineError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise PipelineError(f"--top-p must be in (0, 1], got {top_p}")
+    if not top_k >= 0:
+        raise PipelineError(f"--top-k must be >= 0 (0: off), got {top_k}")
+    shaping = [f"--top-p {top_p:g}"] * (top_p != 1) + [f"--top-k {top_k}"] * (top_k != 0)
+    if temperature == 0 and shaping:
+        # Greedy ignores them: taking them silently would pass off greedy output as sampled.
+        raise PipelineError(f"{' and '.join(shaping)} shape{'s' if len(shaping) == 1 else ''} sampling: give "
+                            f"--temperature > 0 with {'it' if len(shaping) == 1 else 'them'} (0 is greedy)")
+
+
 @dataclass(frozen=True)
 class Sampler:
     temperature: float
@@ -68,12 +90,9 @@ class Sampler:
     top_k: int = 0                # 0: no top-k
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        check_sampling(self.temperature, self.top_p, self.top_k)
+        if self.temperature == 0:
+            raise PipelineError("--temperature 0 is greedy decoding, which draws nothing: a Sampler needs --temperature > 0")
 
     def nucleus(self, logits: torch.Tensor) -> torch.Tensor:
         """Probabilities [..., V] (float32) after temperature, top-k and top-p, the tokens top-p

@@ -1,14 +1,25 @@
 """The drafter's shape: sizes, the target layers it taps, its block, and each layer's kind
 (`full_attention` or `sliding_attention` with window `sliding_window`; what the kinds mean is
 pipeline/drafter/model.py's docstring). Checked when built, so a bad config fails here, not in
-the middle of a forward."""
+the middle of a forward. The block size is checked here only (`check_block_size`): as built, and
+where eval drafts a shorter block than the trained one (`DrafterConfig.at_block`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def check_block_size(block_size: int, *, trained: int | None = None, name: str = "block_size") -> None:
+    """The one rule for a drafter's block: the anchor and at least one draft slot, and (run at
+    another block than its own) no more slots than it was `trained` on. `name`: the setting as
+    its user spells it (eval's `--block-size`). ValueError, as every config check here."""
+    if trained is None and block_size < 2:
+        raise ValueError(f"{name} must be >= 2 (the anchor and a draft slot), got {block_size}")
+    if trained is not None and not 2 <= block_size <= trained:
+        raise ValueError(f"{name} must be in 2..{trained} (the block this drafter was trained on), got {block_size}")
 
 
 @dataclass(kw_only=True)
@@ -63,8 +74,7 @@ class DrafterConfig:
             self.sliding_window = None
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        check_block_size(self.block_size)
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (vocab_size), got {self.draft_vocab_size}")
         taps = len(self.target_layer_ids) * self.hidden_size
@@ -74,6 +84,13 @@ class DrafterConfig:
             raise ValueError("projected_energy needs projected_rank (a projected cache's R)")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
+
+    def at_block(self, block_size: int, *, name: str = "block_size") -> DrafterConfig:
+        """This drafter drafting blocks of `block_size`: a new config, this one left as trained.
+        Slot k was trained to predict the token k ahead of the anchor, so a block may be cut
+        short, never grown. `name`: as in `check_block_size`."""
+        check_block_size(block_size, trained=self.block_size, name=name)
+        return replace(self, block_size=block_size)   # __post_init__ checks the new config again
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, None for a full-attention layer."""

@@ -12,6 +12,7 @@ tokens) + 1 (the bonus token the target produces itself).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,19 @@ def greedy_rows(target: LiveTarget, prompts: list[list[int]], *, max_new: int, e
     for result, n in zip(results, passes):
         result.target_passes = n
     return results
+
+
+def drafting_blocks_of(drafter, block_size: int, *, name: str = "block_size"):
+    """`drafter` drafting blocks of `block_size` (eval's --block-size), itself left as trained.
+    Decoding reads the block from `drafter.config`, so a shorter one is a shallow copy of the
+    module, sharing its weights, with a config of its own (DrafterConfig.at_block, which checks
+    the block; `name` as there); at the trained block, the drafter itself."""
+    config = drafter.config.at_block(block_size, name=name)
+    if config == drafter.config:
+        return drafter
+    view = copy.copy(drafter)
+    view.config = config     # the view's attribute only: the loaded drafter keeps its config
+    return view
 
 
 @torch.no_grad()

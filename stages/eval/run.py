@@ -27,12 +27,13 @@ from pipeline.devices import dtype_name, resolve_device
 from pipeline.drafter.export import load_drafter
 from pipeline.records.eval_result import EvalResult, reference_key, variants_of
 from pipeline.records.run_dir import RunDir
+from pipeline.sampler import check_sampling
 from pipeline.eval.drafter_source import resolve_drafter, target_mismatch
 from pipeline.eval.teacher_forced import teacher_forced
 from pipeline.embedded import HELDOUT_DATA
 from pipeline.errors import PipelineError
 from pipeline.eval.compare import REFERENCE, decode_variants
-from pipeline.eval.speculative_decoding import TREE_VERIFY, choose_tree_verify
+from pipeline.eval.speculative_decoding import TREE_VERIFY, choose_tree_verify, drafting_blocks_of
 from pipeline.eval.groups import TurnMarkers, by_field, by_kind
 from pipeline.eval.outputs import OutputsWriter, check_outputs_path
 from pipeline.eval.speculative_sampling import SpeculativeSampler
@@ -138,8 +139,8 @@ def run_eval(options: EvalOptions, *, progress=None, on_total=None, warn=None) -
 
 
 def fitting_drafter(drafter_dir: Path, target_dir: Path, block_size: int | None, device, dtype):
-    """The drafter on `device`, refused in one line where it does not fit the target, its block
-    cut to --block-size."""
+    """The drafter on `device`, refused in one line where it does not fit the target, drafting
+    blocks of --block-size (None: its own); the block is checked by the drafter's config."""
     facts = read_target_facts(target_dir)
     embed, head = frozen_target_modules(target_dir, dtype)
     drafter = load_drafter(drafter_dir, embed=embed, lm_head=head).to(device, dtype).eval()
@@ -152,11 +153,10 @@ def fitting_drafter(drafter_dir: Path, target_dir: Path, block_size: int | None,
         raise PipelineError(f"{drafter_dir}: this drafter's fc reads taps projected to {c.projected_rank} values (a "
                             "checkpoint's form, not folded yet): evaluate its run's final export (RUN/drafter), whose "
                             "fc reads the taps the live target gives")
-    block = block_size or c.block_size
-    if not 2 <= block <= c.block_size:
-        raise PipelineError(f"--block-size must be in 2..{c.block_size} (the block this drafter was trained on), got {block}")
-    c.block_size = block
-    return drafter
+    try:
+        return drafting_blocks_of(drafter, c.block_size if block_size is None else block_size, name="--block-size")
+    except ValueError as e:   # the config's check, named as the user typed it
+        raise PipelineError(str(e)) from None
 
 
 def check_group_by(group_by: str | None, items: list[dict]) -> None:
@@ -191,15 +191,7 @@ def tree_verification(model, tree_verify: str, tree_budgets: list[int], batch_si
 
 
 def sampling_of(temperature: float, top_p: float, top_k: int, seed: int) -> SpeculativeSampler | None:
-    """None (greedy) at temperature 0; refuses options that only sampling reads."""
-    if temperature < 0:
-        raise PipelineError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
-    if temperature == 0:
-        if top_p != 1.0 or top_k != 0:
-            raise PipelineError("--top-p / --top-k shape sampling: give --temperature > 0 with them (0 is greedy)")
-        return None
-    if not 0 < top_p <= 1:
-        raise PipelineError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise PipelineError(f"--top-k must be >= 0 (0: off), got {top_k}")
-    return SpeculativeSampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    """None (greedy) at temperature 0, else eval's sampler. The options are checked by the
+    sampler's one rule (pipeline/sampler.py), here too at temperature 0, where no sampler is made."""
+    check_sampling(temperature, top_p, top_k)
+    return SpeculativeSampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed) if temperature > 0 else None

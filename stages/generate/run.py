@@ -29,6 +29,7 @@ from pipeline.generate.parts import Parts
 from pipeline.generate.regenerate import regenerate_rows, row_check
 from pipeline.generate.server import Server
 from pipeline.provenance import file_records
+from pipeline.sampler import check_sampling
 from pipeline.target_model import load_tokenizer, resolve_target
 from stages.generate.options import GenerateOptions
 
@@ -45,9 +46,8 @@ def run_generate(options: GenerateOptions, *, progress=None, on_total=None, warn
     concurrency, num_shards, on_error = o.concurrency, o.num_shards, o.on_error
     if turns not in TURNS:
         raise PipelineError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
+    check_sampling(temperature, top_p)   # the sampler's rule, before any model is loaded
     for ok, message in ((max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {max_new_tokens}"),
-                        (temperature >= 0, f"--temperature must be >= 0, got {temperature}"),
-                        (0 < top_p <= 1, f"--top-p must be in (0, 1], got {top_p}"),
                         (batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}"),
                         (concurrency >= 1, f"--concurrency must be >= 1, got {concurrency}"),
                         (server is None or server.startswith(("http://", "https://")),

@@ -103,13 +103,13 @@ def test_sampled_eval_runs_on_the_device(setting):
 
 def test_generate_on_the_device_writes_what_the_host_writes(train_rows, tmp_path):
     data = write_rows(tmp_path / "convs.jsonl", train_rows[:3])
-    for temperature in (0.0, 1.0):
+    for temperature, top_p in ((0.0, 1.0), (1.0, 0.9)):   # greedy takes no --top-p (pipeline/sampler.py)
         host_out, device_out = tmp_path / f"host-{temperature}.jsonl", tmp_path / f"device-{temperature}.jsonl"
         run_generate(GenerateOptions(data=[str(data)], out=host_out, turns="last", max_new_tokens=16,
-                                     temperature=temperature, top_p=0.9, batch_size=3, device="cpu"))
+                                     temperature=temperature, top_p=top_p, batch_size=3, device="cpu"))
         with simulated_accelerator():
             summary = run_generate(GenerateOptions(data=[str(data)], out=device_out, turns="last", max_new_tokens=16,
-                                                   temperature=temperature, top_p=0.9,
+                                                   temperature=temperature, top_p=top_p,
                                                    batch_size=3))
         assert summary["num_rows"] == 3
         host = [json.loads(line)["messages"] for line in host_out.read_text().splitlines()]

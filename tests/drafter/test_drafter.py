@@ -114,6 +114,31 @@ def test_a_draft_vocabulary_size_without_its_ids_is_refused_saying_which():
         DFlashDrafter(config, embed=embed, lm_head=head, draft_vocab=DraftVocab(torch.tensor([1, 4, 6]), V))
 
 
+def test_the_block_size_rule_is_the_configs_and_a_shorter_block_is_a_new_config():
+    """DrafterConfig is the one place a block is checked: as built (and so by dataclasses.replace),
+    and by `at_block`, which cuts a trained block short in a new config and never grows it; eval
+    and its view of the drafter (drafting_blocks_of) leave the loaded drafter as trained."""
+    from dataclasses import replace
+
+    from pipeline.eval.speculative_decoding import drafting_blocks_of
+
+    drafter = tiny_drafter()
+    trained = drafter.config
+    for bad in (1, 0, -3):
+        with pytest.raises(ValueError, match=rf"^block_size must be >= 2 \(the anchor and a draft slot\), got {bad}$"):
+            replace(trained, block_size=bad)
+    for bad in (B + 1, 1, 0):
+        with pytest.raises(ValueError, match=rf"^--block-size must be in 2..{B} \(the block this drafter was trained on\), got {bad}$"):
+            trained.at_block(bad, name="--block-size")
+    short = trained.at_block(2)
+    assert short.block_size == 2 and trained.block_size == B and short is not trained
+    assert replace(short, block_size=B) == trained      # nothing else differs
+    view = drafting_blocks_of(drafter, 2)
+    assert view.config == short and drafter.config is trained and trained.block_size == B
+    assert view.fc.weight is drafter.fc.weight           # the same weights, not a copy
+    assert drafting_blocks_of(drafter, B) is drafter     # at its own block: the drafter itself
+
+
 def test_export_round_trip_and_names(tmp_path):
     import json
 

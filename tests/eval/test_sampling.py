@@ -51,16 +51,12 @@ def drafter(trained_run, embedded):
 
 
 @pytest.fixture(scope="module")
-def short_drafter(trained_run, embedded):
+def short_drafter(drafter):
     """The same drafter drafting blocks of 4 (3 draft tokens, as `eval --block-size 4`): the
     distribution tests verify 1,000 rows at a time, and a shorter block halves that pass."""
-    from pipeline.drafter.export import load_drafter
-    from pipeline.target_model import frozen_target_modules
+    from pipeline.eval.speculative_decoding import drafting_blocks_of
 
-    embed, head = frozen_target_modules(embedded.TARGET_DIR)
-    drafter = load_drafter(trained_run["run"] / "drafter", embed=embed, lm_head=head).eval()
-    drafter.config.block_size = 4
-    return drafter
+    return drafting_blocks_of(drafter, 4)
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +345,9 @@ def test_eval_cli_samples_and_refuses_sampling_options_without_a_temperature(tra
     assert "speedup_vs_plain_sampling" in a["block"] and "identical_to_greedy" not in a["block"]
     for key in ("tau_pooled", "tau_mean_of_means", "accept_histogram", "tokens"):
         assert a["block"][key] == b["block"][key] and a["tree"]["4"][key] == b["tree"]["4"][key], key
-    for bad, message in ((["--top-p", "0.9"], "--top-p / --top-k shape sampling: give --temperature > 0"),
+    for bad, message in ((["--top-p", "0.9"], "--top-p 0.9 shapes sampling: give --temperature > 0 with it (0 is greedy)"),
+                         (["--top-p", "0.9", "--top-k", "5"], "--top-p 0.9 and --top-k 5 shape sampling: give --temperature > 0"),
+                         (["--temperature", "1", "--top-k", "-2"], "--top-k must be >= 0 (0: off), got -2"),
                          (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
                          (["--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5")):
         refused = cli_here("eval", "--drafter", run, "--limit", "1", *bad)
