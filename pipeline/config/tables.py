@@ -143,13 +143,19 @@ def flag_tables(cls, flags: dict) -> dict[str, dict]:
     return tables
 
 
-def build(cls, *layers: dict[str, dict], where: str = "options"):
-    """The composed config from table layers, later layers overriding earlier ones key by key."""
-    merged: dict[str, dict] = {table: {} for table in components(cls)}
+def merge_tables(*layers: dict[str, dict]) -> dict[str, dict]:
+    """Table layers merged, later layers overriding earlier ones key by key within a table."""
+    merged: dict[str, dict] = {}
     for layer in layers:
         for table, values in layer.items():
-            merged[table].update(values)
+            merged.setdefault(table, {}).update(values)
+    return merged
+
+
+def build(cls, *layers: dict[str, dict], where: str = "options"):
+    """The composed config from table layers (merge_tables' order)."""
     parts = components(cls)
+    merged = {table: {} for table in parts} | merge_tables(*layers)
     try:
         return cls(**{table: parts[table](**values) for table, values in merged.items()})
     except TypeError as e:

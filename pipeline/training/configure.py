@@ -11,7 +11,7 @@ from pathlib import Path
 
 from presets import load_preset
 from pipeline.config import TrainConfig
-from pipeline.config.tables import build, file_tables, flag_tables, tables_of
+from pipeline.config.tables import build, file_tables, flag_tables, merge_tables, tables_of
 from pipeline.errors import PipelineError
 from pipeline.training.compat import match_preset
 
@@ -21,7 +21,7 @@ def resolve_config(path: Path | None, flags: dict, *, note=None) -> tuple[TrainC
     `note` hears of an old flat [train] table's keys (read into their components)."""
     from_file = file_tables(TrainConfig, path, section="train", note=note)
     from_flags = flag_tables(TrainConfig, flags)
-    chosen = _merged(from_file, from_flags)
+    chosen = merge_tables(from_file, from_flags)
     name = chosen.get("job", {}).get("preset") or match_preset(chosen.get("data", {}).get("cache", "dflash-cache"))
     from_preset, preset_target = {}, None
     if name:
@@ -58,10 +58,3 @@ def max_length_source(train_config: Path | None, max_length: int | None, preset:
         return f"preset {preset}"
     return "train's default"
 
-
-def _merged(*layers: dict[str, dict]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for layer in layers:
-        for table, values in layer.items():
-            out.setdefault(table, {}).update(values)
-    return out
